@@ -1,0 +1,1 @@
+"""kdcache cache_builder: the CPU teacher producer that fills the store."""

@@ -1,0 +1,19 @@
+"""kdcache's soft-target store: HDF5 caches with live readers, a shared-memory ring, fingerprints.
+
+Imports no deep-learning framework: any program with numpy and h5py can read a cache.
+"""
+from .codec import make_codec
+from .errors import (BadInputError, CacheNotFoundError, ConsumerGoneError, FingerprintMismatchError,
+                     MissingTargetsError, ProducerGoneError, StoreError, UnsupportedFormatError,
+                     WriterBusyError)
+from .fingerprint import file_digest, fingerprint
+from .reader import CacheReader
+from .registry import path_for, resolve_cache_dir
+from .schema import FORMAT_VERSION
+from .spec import CacheSpec
+from .writer import CacheWriter, finalize
+
+__all__ = ["CacheSpec", "CacheWriter", "CacheReader", "finalize", "make_codec", "fingerprint",
+           "file_digest", "path_for", "resolve_cache_dir", "FORMAT_VERSION", "StoreError",
+           "BadInputError", "CacheNotFoundError", "ConsumerGoneError", "FingerprintMismatchError",
+           "MissingTargetsError", "ProducerGoneError", "UnsupportedFormatError", "WriterBusyError"]

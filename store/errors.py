@@ -1,0 +1,41 @@
+"""Typed errors of the soft-target store; every message names the cause and the fix."""
+
+
+class StoreError(Exception):
+    """Base class: anything a user can cause when building or reading a cache."""
+
+
+class BadInputError(StoreError, ValueError):
+    """Logits or keys handed to a writer are unusable (NaN/Inf, shape, range)."""
+
+
+class FingerprintMismatchError(StoreError):
+    """A cache exists at the path but was built from other inputs."""
+
+
+class UnsupportedFormatError(StoreError):
+    """A file is not a kdcache cache, or was written by a newer format version."""
+
+
+class WriterBusyError(StoreError):
+    """Another producer holds the lock on this cache (or shard)."""
+
+
+class CacheNotFoundError(StoreError, FileNotFoundError):
+    """No cache (complete or in progress) exists at the path."""
+
+
+class ProducerGoneError(StoreError):
+    """Targets are missing and no producer is alive to write them."""
+
+
+class MissingTargetsError(StoreError, TimeoutError):
+    """Targets did not appear within the timeout although a producer is alive."""
+
+    def __init__(self, message, missing=None):
+        super().__init__(message)
+        self.missing = missing
+
+
+class ConsumerGoneError(StoreError):
+    """The ring buffer's reader died or left; a writer would block forever."""

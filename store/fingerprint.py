@@ -1,0 +1,51 @@
+"""Fingerprints: a short digest of the stated inputs a cache was built from (never of live objects)."""
+import hashlib
+import json
+import os
+
+from .schema import FORMAT_VERSION
+
+FINGERPRINT_HEX = 20  # 80 bits: collisions are not a practical concern for a cache directory
+
+
+def canonical(inputs):
+    """Canonical JSON of the inputs: keys sorted, None (defaulted) values left out, so adding a
+    new defaulted option keeps old fingerprints valid."""
+    def clean(v):
+        if isinstance(v, dict):
+            return {str(k): clean(x) for k, x in sorted(v.items()) if x is not None}
+        if isinstance(v, (list, tuple)):
+            return [clean(x) for x in v]
+        if isinstance(v, float) and v.is_integer():
+            return int(v)
+        if hasattr(v, "item"):  # numpy scalar
+            return clean(v.item())
+        if isinstance(v, (str, int, float, bool)):
+            return v
+        raise TypeError(f"fingerprint input {v!r} ({type(v).__name__}) is not plain data: "
+                        "pass strings, numbers, lists or dicts")
+    return json.dumps(clean(inputs), sort_keys=True, separators=(",", ":"))
+
+
+def fingerprint(inputs):
+    """Hex digest naming a cache built from `inputs` (a dict of plain data)."""
+    payload = canonical({"format": FORMAT_VERSION, **inputs})
+    return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:FINGERPRINT_HEX]
+
+
+def file_digest(path, chunk=1 << 20):
+    """sha256 of a file's bytes (for teacher checkpoints and data files)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(chunk)
+            if not b:
+                break
+            h.update(b)
+    return h.hexdigest()
+
+
+def is_fingerprint(name):
+    """True for a string that can safely name a cache file (hex digits only: no path escape)."""
+    return (isinstance(name, str) and 8 <= len(name) <= 64
+            and all(c in "0123456789abcdef" for c in name) and os.sep not in name)

@@ -1,0 +1,276 @@
+"""CacheReader: targets by key from a cache, finished or still being written by producers.
+
+Fast path: when the cache fits the memory budget it is held in RAM (filled incrementally from
+the producers' segments as rows are committed) and a batch is one numpy gather. Otherwise rows
+are read from disk with sorted, de-duplicated selections (h5py needs increasing indices).
+"""
+import os
+import time
+
+import numpy as np
+
+from . import schema
+from .errors import (BadInputError, CacheNotFoundError, FingerprintMismatchError,
+                     MissingTargetsError, ProducerGoneError)
+from .registry import base_path, final_path, parts_path, touch_used
+from .segment import (committed_rows, list_segments, lock_holders, open_final, open_swmr,
+                      read_manifest, read_meta, read_segment_rows)
+from .spec import CacheSpec
+from .writer import available_memory
+
+
+class _Segment:
+    __slots__ = ("path", "file", "seen", "closed")
+
+    def __init__(self, path):
+        self.path = path
+        self.file = open_swmr(path)
+        self.seen = 0
+        self.closed = False
+
+
+class CacheReader:
+    """Read soft targets (raw teacher logits, float32 [B, C]) by (sample index, view).
+
+    `spec` or `fingerprint`, when given, must match the cache, or FingerprintMismatchError is
+    raised: a cache is never used for other inputs. `get()` waits for targets a live producer
+    has not written yet (counted in `stall_s`) and fails within seconds when none is alive.
+    """
+
+    def __init__(self, path, *, spec=None, fingerprint=None, memory_budget=None, timeout=300.0,
+                 heartbeat_timeout=10.0, grace_s=0.0):
+        self.base = base_path(path)
+        self.final = final_path(self.base)
+        self.parts = parts_path(self.base)
+        self.timeout = timeout
+        self.heartbeat_timeout = heartbeat_timeout
+        self.grace_until = time.monotonic() + grace_s
+        self.stall_s = 0.0
+        self._segs = {}
+        self._file = None
+        if os.path.exists(self.final):
+            f = open_final(self.final)
+            meta = read_meta(f, self.final)
+            f.close()
+        elif os.path.isdir(self.parts):
+            meta = read_manifest(self.parts)
+            if meta is None:
+                raise CacheNotFoundError(f"{self.parts} has no manifest yet: start the producer first "
+                                         f"(python -m cache_builder ... or make cache-online)")
+        else:
+            raise CacheNotFoundError(
+                f"no cache at {self.base} (neither {os.path.basename(self.final)} nor "
+                f"{os.path.basename(self.parts)}): build it with `make cache` / `python -m cache_builder`, "
+                f"or pass the right --cache-dir")
+        self.meta = meta
+        self.spec = CacheSpec.from_meta(meta)
+        self.fingerprint = meta[schema.A_FINGERPRINT]
+        want = spec.fingerprint if spec is not None else fingerprint
+        if want is not None and want != self.fingerprint:
+            raise FingerprintMismatchError(
+                f"cache {self.base} was built for fingerprint {self.fingerprint}, you asked for {want} "
+                f"(another teacher, data set, view count or codec): pass the matching cache, or let the "
+                f"producer build one for these inputs")
+        self.codec = self.spec.make_codec()
+        nk = self.spec.num_keys
+        budget = memory_budget if memory_budget is not None else available_memory() // 2
+        self.in_ram = nk * self.codec.bytes_per_row <= budget
+        self._done = np.zeros(nk, dtype=bool)
+        self.complete = False
+        if os.path.exists(self.final):
+            self._open_final()
+        else:
+            if self.in_ram:
+                self._tables = {n: np.zeros((nk,) + tuple(s), dtype=d) for n, s, d in self.codec.fields}
+            else:
+                self._loc_seg = np.full(nk, -1, dtype=np.int32)
+                self._loc_row = np.zeros(nk, dtype=np.int64)
+                self._seg_list = []
+            self.refresh()
+        touch_used(self.base)
+
+    # -- loading ------------------------------------------------------------------------------
+    def _open_final(self):
+        for s in self._segs.values():
+            s.file.close()
+        self._segs = {}
+        f = open_final(self.final)
+        read_meta(f, self.final)
+        nk = self.spec.num_keys
+        if self.in_ram:
+            self._tables = {}
+            for name, shape, dtype in self.codec.fields:
+                self._tables[name] = f[name][...].reshape((nk,) + tuple(shape))
+            f.close()
+        else:
+            self._file = f
+        self._done[:] = True
+        self.complete = True
+
+    def refresh(self):
+        """Take in every row producers have committed since the last call. Cheap when nothing changed."""
+        if self.complete:
+            return
+        if os.path.exists(self.final):
+            if not (self.in_ram and self._done.all()):
+                self._open_final()
+            else:
+                self.complete = True
+            return
+        for p in list_segments(self.parts):
+            if p not in self._segs:
+                try:
+                    self._segs[p] = _Segment(p)
+                except Exception:
+                    if os.path.exists(self.final):  # compacted under us
+                        return self.refresh()
+                    raise
+                if not self.in_ram:
+                    self._seg_list.append(self._segs[p])
+        for sid, s in enumerate(self._segs.values()):
+            if s.closed:
+                continue
+            rows, closed = committed_rows(s.file)
+            if rows > s.seen:
+                if self.in_ram:
+                    keys, fields = read_segment_rows(s.file, self.codec, s.seen, rows)
+                    for name, arr in fields.items():
+                        self._tables[name][keys] = arr
+                else:
+                    ks = s.file[schema.SEG_KEYS]
+                    ks.refresh()
+                    keys = ks[s.seen:rows]
+                    fresh = ~self._done[keys]
+                    self._loc_seg[keys[fresh]] = self._seg_list.index(s)
+                    self._loc_row[keys[fresh]] = np.arange(s.seen, rows)[fresh]
+                self._done[keys] = True
+                s.seen = rows
+            if closed and s.seen == rows and self.in_ram:
+                s.closed = True
+                s.file.close()
+        if self._done.all():
+            self.complete = True
+
+    # -- keys ---------------------------------------------------------------------------------
+    def flat_keys(self, indices, views=0):
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        n, nv = self.spec.num_samples, self.spec.views
+        if idx.size and (idx.min() < 0 or idx.max() >= n):
+            bad = idx[(idx < 0) | (idx >= n)][:5]
+            raise BadInputError(f"sample indices {bad.tolist()} out of range [0, {n}): this cache was built "
+                                f"for a data set of {n} samples; pass the matching --dataset or cache")
+        if np.isscalar(views) or np.ndim(views) == 0:
+            v = int(views)
+            if not 0 <= v < nv:
+                raise BadInputError(f"view {v} out of range [0, {nv}): the cache holds {nv} view(s)")
+            return idx * nv + v
+        v = np.asarray(views, dtype=np.int64).reshape(-1)
+        if v.size and (v.min() < 0 or v.max() >= nv):
+            raise BadInputError(f"views {v[(v < 0) | (v >= nv)][:5].tolist()} out of range [0, {nv}): "
+                                f"the cache holds {nv} view(s)")
+        return idx * nv + v
+
+    @property
+    def progress(self):
+        """Fraction of keys committed so far."""
+        return 1.0 if self.complete else float(self._done.mean())
+
+    def missing(self, indices, views=0):
+        """Flat keys (index * views + view) among these that are not in the cache yet."""
+        keys = self.flat_keys(indices, views)
+        if self.complete:
+            return keys[:0]
+        self.refresh()
+        return keys[~self._done[keys]]
+
+    def producer_alive(self):
+        return bool(lock_holders(self.parts, self.heartbeat_timeout)) or time.monotonic() < self.grace_until
+
+    # -- reading ------------------------------------------------------------------------------
+    def get(self, indices, views=0, *, wait=True, timeout=None):
+        """float32 logits [B, C] for samples `indices` in view(s) `views`.
+
+        Missing targets are waited for (wait=True) up to `timeout` seconds, or reported at once
+        with MissingTargetsError(missing=flat keys) (wait=False).
+        """
+        keys = self.flat_keys(indices, views)
+        if not self.complete and not self._done[keys].all():
+            self.refresh()
+            if not self._done[keys].all():
+                if not wait:
+                    miss = keys[~self._done[keys]]
+                    raise MissingTargetsError(f"{miss.size} of {keys.size} targets are not in the cache yet",
+                                              missing=miss)
+                self._wait(keys, self.timeout if timeout is None else timeout)
+        return self.codec.decode(self._gather(keys))
+
+    def _wait(self, keys, timeout):
+        t0 = time.monotonic()
+        delay, next_check = 0.0005, t0 + 0.2
+        try:
+            while True:
+                time.sleep(delay)
+                delay = min(0.01, delay * 1.5)
+                self.refresh()
+                if self._done[keys].all():
+                    return
+                now = time.monotonic()
+                if now >= next_check:
+                    next_check = now + 0.2
+                    if not self.producer_alive():
+                        self.refresh()  # it may have committed its last rows just before exiting
+                        if self._done[keys].all():
+                            return
+                        n = int((~self._done[keys]).sum())
+                        raise ProducerGoneError(
+                            f"{n} of {keys.size} targets are missing from cache {self.base} "
+                            f"({self.progress:.1%} done) and no producer is running: start one "
+                            f"(make cache-online, or python -m cache_builder) and retry")
+                if now - t0 >= timeout:
+                    miss = keys[~self._done[keys]]
+                    raise MissingTargetsError(
+                        f"waited {timeout:.0f} s for {miss.size} targets of cache {self.base}; a producer is "
+                        f"alive but behind: give it more cores (--threads) or raise the timeout", missing=miss)
+        finally:
+            self.stall_s += time.monotonic() - t0
+
+    def _gather(self, keys):
+        if self.in_ram:
+            return {name: t[keys] for name, t in self._tables.items()}
+        out = {name: np.empty((keys.size,) + tuple(s), dtype=d) for name, s, d in self.codec.fields}
+        if self.complete:
+            nv = self.spec.views
+            for view in np.unique(keys % nv):
+                sel = np.flatnonzero(keys % nv == view)
+                u, inv = np.unique(keys[sel] // nv, return_inverse=True)
+                for name in out:
+                    out[name][sel] = self._file[name][u, int(view)][inv]
+            return out
+        segs = self._loc_seg[keys]
+        for sid in np.unique(segs):
+            sel = np.flatnonzero(segs == sid)
+            u, inv = np.unique(self._loc_row[keys[sel]], return_inverse=True)
+            f = self._seg_list[sid].file
+            for name in out:
+                d = f[name]
+                d.refresh()
+                out[name][sel] = d[u][inv]
+        return out
+
+    def close(self):
+        for s in self._segs.values():
+            try:
+                s.file.close()
+            except Exception:
+                pass
+        self._segs = {}
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False

@@ -1,0 +1,174 @@
+"""The cache directory: where caches live, how a fingerprint names one, and ls/inspect/verify/gc."""
+import os
+import shutil
+import time
+
+import numpy as np
+
+from . import schema
+from .errors import StoreError
+from .fingerprint import is_fingerprint
+
+DEFAULT_DIR = "caches"
+ENV_DIR = "KDCACHE_DIR"
+
+
+def resolve_cache_dir(cache_dir=None):
+    """--cache-dir, else $KDCACHE_DIR, else ./caches."""
+    return os.path.abspath(cache_dir or os.environ.get(ENV_DIR) or DEFAULT_DIR)
+
+
+def base_path(path):
+    """A cache's base path from any of P, P.h5 or P.parts (trailing slashes allowed)."""
+    p = os.fspath(path).rstrip("/")
+    for suffix in (schema.FINAL_SUFFIX, schema.PARTS_SUFFIX):
+        if p.endswith(suffix):
+            return p[: -len(suffix)]
+    return p
+
+
+def final_path(path):
+    return base_path(path) + schema.FINAL_SUFFIX
+
+
+def parts_path(path):
+    return base_path(path) + schema.PARTS_SUFFIX
+
+
+def path_for(cache_dir, fp):
+    """Base path of the cache named by fingerprint `fp`; refuses names that could leave the directory."""
+    if not is_fingerprint(fp):
+        raise StoreError(f"{fp!r} is not a cache fingerprint (8-64 lowercase hex digits): pass the "
+                         f"fingerprint `python -m store ls` shows")
+    return os.path.join(resolve_cache_dir(cache_dir), fp)
+
+
+def exists(path):
+    return os.path.exists(final_path(path)) or os.path.isdir(parts_path(path))
+
+
+def touch_used(path):
+    """Record 'last used' as the finished file's access time (explicitly set, whatever the mount)."""
+    p = final_path(path)
+    try:
+        st = os.stat(p)
+        os.utime(p, (time.time(), st.st_mtime))
+    except OSError:
+        pass  # read-only caches are still usable
+
+
+def _size(path):
+    if os.path.isdir(path):
+        return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs
+                   if os.path.exists(os.path.join(d, f)))
+    return os.path.getsize(path) if os.path.exists(path) else 0
+
+
+def cache_bases(cache_dir):
+    """Base paths of every cache (finished or in progress) in the directory."""
+    d = resolve_cache_dir(cache_dir)
+    if not os.path.isdir(d):
+        return []
+    bases = set()
+    for n in os.listdir(d):
+        for suffix in (schema.FINAL_SUFFIX, schema.PARTS_SUFFIX):
+            if n.endswith(suffix) and not n.startswith("."):
+                bases.add(os.path.join(d, n[: -len(suffix)]))
+    return sorted(bases)
+
+
+def info(path):
+    """Summary of one cache: fingerprint, inputs, state, percent done, size, created, last used."""
+    from .segment import (committed_rows, list_segments, lock_holders, open_final, open_swmr,
+                          read_manifest, read_meta)
+    base = base_path(path)
+    fin, parts = final_path(base), parts_path(base)
+    out = {"path": fin if os.path.exists(fin) else parts, "name": os.path.basename(base)}
+    try:
+        if os.path.exists(fin):
+            with open_final(fin) as f:
+                meta = read_meta(f, fin)
+            st = os.stat(fin)
+            out.update(state="complete", done=1.0, size=st.st_size, last_used=st.st_atime)
+        else:
+            meta = read_manifest(parts)
+            if meta is None:
+                raise StoreError(f"{parts}: no manifest")
+            nk = int(meta[schema.A_NUM_SAMPLES]) * int(meta[schema.A_VIEWS])
+            done = np.zeros(nk, dtype=bool)
+            for seg in list_segments(parts):
+                with open_swmr(seg, retry_s=0.5) as f:
+                    rows, _ = committed_rows(f)
+                    k = f[schema.SEG_KEYS]
+                    k.refresh()
+                    done[k[:rows]] = True
+            alive = lock_holders(parts)
+            st = os.stat(parts)
+            out.update(state="producing" if alive else "incomplete", done=float(done.mean()) if nk else 0.0,
+                       size=_size(parts), last_used=st.st_mtime,
+                       producers=[h.get("pid") for _, h in alive])
+    except StoreError as e:
+        out.update(state="damaged", error=str(e), size=_size(fin) + _size(parts), done=0.0,
+                   last_used=os.stat(fin if os.path.exists(fin) else parts).st_mtime)
+        return out
+    inputs = meta.get("inputs") or {}
+    out.update(
+        fingerprint=meta.get(schema.A_FINGERPRINT), format_version=int(meta[schema.A_FORMAT]),
+        teacher=_describe(inputs.get("teacher")), dataset=_describe(inputs.get("dataset")),
+        num_samples=int(meta[schema.A_NUM_SAMPLES]), views=int(meta[schema.A_VIEWS]),
+        num_classes=int(meta[schema.A_NUM_CLASSES]), codec=meta[schema.A_CODEC], dtype=meta[schema.A_DTYPE],
+        created=meta.get(schema.A_CREATED), tool_version=meta.get(schema.A_TOOL_VERSION))
+    return out
+
+
+def _describe(x):
+    """Short human label of a teacher/dataset identity dict."""
+    if isinstance(x, dict):
+        name = x.get("name") or x.get("prefix") or ""
+        dig = x.get("digest") or x.get("sha256") or ""
+        return f"{name}@{dig[:8]}" if dig else str(name)
+    return "" if x is None else str(x)
+
+
+def gc(cache_dir=None, *, older_than_days=None, max_bytes=None, incomplete=True, damaged=True,
+       dry_run=False, min_age_s=60.0):
+    """Remove caches: incomplete ones no producer is writing (idle for min_age_s), damaged ones,
+    unused ones (last used more than older_than_days ago) and, with max_bytes, the least recently
+    used finished caches until the directory fits. Returns [(path, reason, bytes)]."""
+    now = time.time()
+    entries = [info(b) for b in cache_bases(cache_dir)]
+    victims = []
+    for e in entries:
+        base = os.path.join(resolve_cache_dir(cache_dir), e["name"])
+        if e["state"] == "producing":
+            continue
+        if e["state"] == "damaged" and damaged:
+            victims.append((base, "damaged", e["size"]))
+        elif e["state"] == "incomplete" and incomplete and now - e["last_used"] >= min_age_s:
+            victims.append((base, "incomplete", e["size"]))
+        elif e["state"] == "complete" and older_than_days is not None \
+                and now - e["last_used"] > older_than_days * 86400:
+            victims.append((base, f"unused for {(now - e['last_used']) / 86400:.1f} days", e["size"]))
+    if max_bytes is not None:
+        chosen = {v[0] for v in victims}
+        left = [e for e in entries if e["state"] == "complete"
+                and os.path.join(resolve_cache_dir(cache_dir), e["name"]) not in chosen]
+        total = sum(e["size"] for e in entries) - sum(v[2] for v in victims)
+        for e in sorted(left, key=lambda e: e["last_used"]):
+            if total <= max_bytes:
+                break
+            victims.append((os.path.join(resolve_cache_dir(cache_dir), e["name"]), "over the size limit", e["size"]))
+            total -= e["size"]
+    if not dry_run:
+        for base, _, _ in victims:
+            remove(base)
+    return victims
+
+
+def remove(path):
+    base = base_path(path)
+    try:
+        os.unlink(final_path(base))
+    except FileNotFoundError:
+        pass
+    shutil.rmtree(parts_path(base), ignore_errors=True)

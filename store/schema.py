@@ -1,0 +1,102 @@
+"""The cache file format: every dataset and attribute name, the key space and the format version.
+
+A cache lives at a base path P (by default ``<cache dir>/<fingerprint>``):
+
+* ``P.h5`` -- the finished cache, written once every key is done (temporary name, fsync,
+  rename). Datasets are indexed ``[sample, view, ...]`` so plain h5py/h5dump users see the
+  layout directly; attribute ``complete`` is 1.
+* ``P.parts/`` -- the cache while producers fill it: ``manifest.json`` (the metadata),
+  one SWMR segment file per producer run ``seg-*.h5`` (rows appended in the order they were
+  produced, with their keys), and one lock file per shard that is also the producer's heartbeat.
+
+Key space: (sample index, view); the flat key is ``index * views + view``.
+"""
+import json
+
+FORMAT_VERSION = 1  # bump when a file written by this code cannot be read by older code
+
+# --- file names -------------------------------------------------------------------------
+FINAL_SUFFIX = ".h5"
+PARTS_SUFFIX = ".parts"
+MANIFEST = "manifest.json"
+SEGMENT_GLOB = "seg-*.h5"
+LOCK_GLOB = "shard-*.lock"
+COMPACT_LOCK = "compact.lock"
+
+
+def segment_name(shard, nshards, stamp, pid):
+    return f"seg-{shard}of{nshards}-{stamp}-{pid}.h5"
+
+
+def lock_name(shard, nshards):
+    return f"shard-{shard}of{nshards}.lock"
+
+
+# --- datasets ---------------------------------------------------------------------------
+# Codec fields (see codec.py); in the final file shaped [N, V, ...], in segments [rows, ...].
+LOGITS = "logits"               # full codec: raw logits, temperature 1
+TOPK_VALUES = "topk_values"     # topk codec: the K largest logits, descending
+TOPK_INDICES = "topk_indices"   # topk codec: their class indices
+TOPK_LSE = "topk_lse"           # topk codec: log-sum-exp of all C logits (rebuilds the tail mass)
+DONE = "done"                   # final file: uint8 [N, V], 1 where the row holds the teacher's output
+SEG_KEYS = "keys"               # segment: int64 [rows], flat key of each appended row
+SEG_STATE = "state"             # segment: int64 [STATE_LEN], see STATE_* below
+STATE_ROWS = 0                  # rows committed (durable; readers trust rows [0, rows))
+STATE_CLOSED = 1                # 1 once the producer closed the segment cleanly
+STATE_LEN = 2
+
+# --- root attributes --------------------------------------------------------------------
+A_FORMAT = "kdcache_format_version"
+A_KIND = "kind"                 # "cache" (final file) or "segment"
+A_FINGERPRINT = "fingerprint"
+A_INPUTS = "inputs_json"        # JSON of the inputs the fingerprint was made from
+A_NUM_SAMPLES = "num_samples"
+A_VIEWS = "views"
+A_NUM_CLASSES = "num_classes"
+A_CODEC = "codec"
+A_DTYPE = "dtype"
+A_TOOL_VERSION = "tool_version"
+A_CREATED = "created"           # ISO 8601, UTC
+A_COMPLETE = "complete"
+A_KEY_LAYOUT = "key_layout"
+A_SHARD = "shard"               # segment only: "i/n"
+KEY_LAYOUT = "flat key = sample_index * views + view; final datasets are [sample, view, ...]"
+
+KIND_CACHE = "cache"
+KIND_SEGMENT = "segment"
+
+# The metadata fields every file and the manifest carry (plain JSON types only).
+META_FIELDS = (A_FORMAT, A_FINGERPRINT, A_INPUTS, A_NUM_SAMPLES, A_VIEWS, A_NUM_CLASSES,
+               A_CODEC, A_DTYPE, A_TOOL_VERSION, A_CREATED, A_KEY_LAYOUT)
+
+
+def meta_from_attrs(attrs):
+    """Plain-Python metadata dict from an HDF5 attribute mapping (no pickle involved)."""
+    out = {}
+    for k, v in attrs.items():
+        if hasattr(v, "item") and getattr(v, "shape", None) == ():
+            v = v.item()
+        if isinstance(v, bytes):
+            v = v.decode("utf-8")
+        out[k] = v
+    if isinstance(out.get(A_INPUTS), str):
+        out["inputs"] = json.loads(out[A_INPUTS])
+    return out
+
+
+def check_format_version(version, where):
+    """Integer comparison of a file's format version with ours; raise a typed error if unreadable."""
+    from .errors import UnsupportedFormatError
+    try:
+        version = int(version)
+    except (TypeError, ValueError):
+        raise UnsupportedFormatError(
+            f"{where}: format version {version!r} is not an integer: the file is not a kdcache "
+            f"cache or is damaged; remove it (python -m store gc) and rebuild") from None
+    if version > FORMAT_VERSION:
+        raise UnsupportedFormatError(
+            f"{where}: written with kdcache format version {version}, this kdcache reads up to "
+            f"{FORMAT_VERSION}: upgrade kdcache, or rebuild the cache with this version")
+    if version < 1:
+        raise UnsupportedFormatError(f"{where}: format version {version} is invalid: rebuild the cache")
+    return version

@@ -1,0 +1,184 @@
+"""Low-level access to cache files: SWMR segments (append logs) and the finished cache file.
+
+Shared by the writer, the reader, the registry and verify, so the rules for what a reader may
+trust live in one place: rows [0, state[ROWS]) of a segment are durable; nothing else is.
+"""
+import json
+import os
+import socket
+import time
+
+import h5py
+import numpy as np
+
+from . import schema
+from .errors import UnsupportedFormatError
+
+HOST = socket.gethostname()
+
+
+def chunk_rows(bytes_per_row, target=64 * 1024):
+    """Rows per HDF5 chunk: ~64 KiB chunks keep appends and partial reads cheap."""
+    return max(1, target // max(1, int(bytes_per_row)))
+
+
+def create_segment(directory, spec, codec, rows, shard, nshards):
+    """Create a segment for up to `rows` appended rows, switch it to SWMR and only then give it
+    its visible name, so a reader never opens a segment that is not yet readable."""
+    stamp = time.time_ns()
+    name = schema.segment_name(shard, nshards, stamp, os.getpid())
+    tmp = os.path.join(directory, "." + name + ".tmp")
+    final = os.path.join(directory, name)
+    f = h5py.File(tmp, "w", libver="latest")
+    try:
+        for k, v in spec.meta().items():
+            f.attrs[k] = v
+        f.attrs[schema.A_KIND] = schema.KIND_SEGMENT
+        f.attrs[schema.A_SHARD] = f"{shard}/{nshards}"
+        f.attrs[schema.A_COMPLETE] = 0
+        for fname, shape, dtype in codec.fields:
+            f.create_dataset(fname, shape=(rows,) + tuple(shape), dtype=dtype,
+                             chunks=(chunk_rows(codec.bytes_per_row),) + tuple(shape))
+        f.create_dataset(schema.SEG_KEYS, shape=(rows,), dtype=np.int64,
+                         chunks=(chunk_rows(8 * 64),), fillvalue=-1)
+        f.create_dataset(schema.SEG_STATE, shape=(schema.STATE_LEN,), dtype=np.int64)
+        f.swmr_mode = True
+        f.flush()
+        os.replace(tmp, final)
+    except BaseException:
+        f.close()
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return f, final
+
+
+def open_swmr(path, retry_s=5.0):
+    """Open a segment for reading while its producer may still write it. Retries while the
+    writer is still switching to SWMR; a file that never opens is reported as damaged."""
+    deadline = time.monotonic() + retry_s
+    delay = 0.001
+    while True:
+        try:
+            # No chunk cache: a chunk read while half written must never be served again later.
+            return h5py.File(path, "r", libver="latest", swmr=True, rdcc_nbytes=0)
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise UnsupportedFormatError(
+                    f"{path}: cannot be opened as an HDF5 segment ({e}): it is damaged or not a kdcache "
+                    f"segment; move it away or run `python -m store gc` and let the producer rebuild") from None
+            time.sleep(delay)
+            delay = min(0.05, delay * 2)
+
+
+def open_final(path):
+    """Open a finished cache file read-only, with a clear error when it is not one."""
+    try:
+        return h5py.File(path, "r")
+    except OSError as e:
+        raise UnsupportedFormatError(
+            f"{path}: not a readable HDF5 file ({e}): it is truncated, damaged or of another format. "
+            f"Remove it (python -m store gc --damaged, or rm) and rebuild the cache") from None
+
+
+def read_meta(f, where):
+    """Metadata of an open cache file or segment, with its format version checked."""
+    if schema.A_FORMAT not in f.attrs:
+        raise UnsupportedFormatError(
+            f"{where}: an HDF5 file without kdcache metadata ({schema.A_FORMAT} missing): it is not a "
+            f"kdcache cache. Move it out of the cache directory or pass the right path")
+    schema.check_format_version(f.attrs[schema.A_FORMAT], where)
+    return schema.meta_from_attrs(f.attrs)
+
+
+def committed_rows(f):
+    """(rows committed, closed flag) of a segment, re-read from disk."""
+    st = f[schema.SEG_STATE]
+    st.refresh()
+    s = st[...]
+    return int(s[schema.STATE_ROWS]), bool(s[schema.STATE_CLOSED])
+
+
+def read_segment_rows(f, codec, start, stop):
+    """Keys and encoded fields of committed rows [start, stop) of a segment."""
+    ks = f[schema.SEG_KEYS]
+    ks.refresh()
+    keys = ks[start:stop]
+    fields = {}
+    for name, _, _ in codec.fields:
+        d = f[name]
+        d.refresh()
+        fields[name] = d[start:stop]
+    return keys, fields
+
+
+def read_manifest(parts_dir):
+    path = os.path.join(parts_dir, schema.MANIFEST)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            meta = json.load(fh)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise UnsupportedFormatError(
+            f"{path}: unreadable manifest ({e}): remove the directory {parts_dir} to rebuild the cache") from None
+    if not isinstance(meta, dict):
+        raise UnsupportedFormatError(f"{path}: not a kdcache manifest: remove {parts_dir} to rebuild the cache")
+    schema.check_format_version(meta.get(schema.A_FORMAT), path)
+    meta["inputs"] = json.loads(meta[schema.A_INPUTS])
+    return meta
+
+
+def write_json_atomic(path, obj):
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(obj, fh, indent=1, sort_keys=True)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def list_segments(parts_dir):
+    try:
+        names = os.listdir(parts_dir)
+    except FileNotFoundError:
+        return []
+    return sorted(os.path.join(parts_dir, n) for n in names if n.startswith("seg-") and n.endswith(".h5"))
+
+
+def lock_holders(parts_dir, heartbeat_timeout=10.0):
+    """The producers alive on this cache: [(lock path, info dict)].
+
+    On this host a producer is alive exactly while it holds its shard's flock (the kernel drops
+    it when the process dies, even by kill -9, and a zombie holds nothing). For a producer on
+    another host (shared file system) its heartbeat, the lock file's mtime, must be fresh.
+    """
+    import fcntl
+    out = []
+    try:
+        names = sorted(n for n in os.listdir(parts_dir) if n.startswith("shard-") and n.endswith(".lock"))
+    except FileNotFoundError:
+        return out
+    for n in names:
+        path = os.path.join(parts_dir, n)
+        try:
+            with open(path, "rb") as fh:
+                raw = fh.read()
+                try:
+                    info = json.loads(raw.decode("utf-8") or "{}")
+                except ValueError:
+                    info = {}
+                if info.get("host", HOST) == HOST:
+                    try:
+                        fcntl.flock(fh.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+                    except BlockingIOError:
+                        out.append((path, info))
+                    else:
+                        fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+                elif time.time() - os.fstat(fh.fileno()).st_mtime < heartbeat_timeout:
+                    out.append((path, info))
+        except FileNotFoundError:
+            continue
+    return out

@@ -1,0 +1,407 @@
+"""CacheWriter: one producer appending teacher logits to a cache; crash-safe, resumable, shardable.
+
+Each producer run appends to a fresh SWMR segment and never reopens a crashed file for
+writing (a stock `h5clear -s` truncated such files here). On open it reads what every earlier
+segment committed and owes only the rest of its shard's keys. When the last key of the cache
+is done, the segments are compacted into one key-ordered file `P.h5`, written under a
+temporary name, fsynced and renamed: its existence is the whole-cache "complete" marker.
+"""
+import fcntl
+import json
+import os
+import threading
+import time
+
+import h5py
+import numpy as np
+
+from . import schema
+from .errors import (BadInputError, FingerprintMismatchError, StoreError, UnsupportedFormatError,
+                     WriterBusyError)
+from .segment import (HOST, committed_rows, create_segment, list_segments, open_final, open_swmr,
+                      read_manifest, read_meta, read_segment_rows, write_json_atomic)
+from .registry import base_path, final_path, parts_path
+
+
+def _fs_error(e, where, fix):
+    return StoreError(f"{where}: {e.strerror or e} ({type(e).__name__}): {fix}")
+
+
+def check_final_matches(path, spec):
+    """Raise unless `path` is a sound finished cache with spec's fingerprint."""
+    with open_final(path) as f:
+        meta = read_meta(f, path)
+        fp = meta.get(schema.A_FINGERPRINT)
+        if fp != spec.fingerprint:
+            raise FingerprintMismatchError(
+                f"{path} was built for fingerprint {fp}, these inputs give {spec.fingerprint} "
+                f"(another teacher, data set, view count or codec): pass another --cache-dir or "
+                f"cache path, or remove that file to rebuild")
+        if int(meta.get(schema.A_COMPLETE, 0)) != 1:
+            raise UnsupportedFormatError(f"{path}: finished cache without its complete flag: it is "
+                                         f"damaged; remove it and rebuild")
+
+
+def scan_done(parts_dir, spec, codec=None):
+    """Boolean mask [num_keys] of keys some segment has committed (crashed segments included)."""
+    done = np.zeros(spec.num_keys, dtype=bool)
+    for seg in list_segments(parts_dir):
+        with open_swmr(seg) as f:
+            meta = read_meta(f, seg)
+            if meta.get(schema.A_FINGERPRINT) != spec.fingerprint:
+                raise FingerprintMismatchError(
+                    f"{seg} belongs to fingerprint {meta.get(schema.A_FINGERPRINT)}, not {spec.fingerprint}: "
+                    f"it was copied into the wrong cache; move it away")
+            rows, _ = committed_rows(f)
+            ks = f[schema.SEG_KEYS]
+            ks.refresh()
+            done[ks[:rows]] = True
+    return done
+
+
+class CacheWriter:
+    """Append (keys, logits) batches to the cache at `path` (a base path, `.h5` or `.parts`).
+
+    Keys are (sample index, view). `shard=(i, n)` makes this writer own the keys whose flat
+    key is i mod n, so n producers can fill one cache at once; a second writer on the same
+    shard is refused. Use as a context manager; `close()` returns True once the cache is complete.
+    """
+
+    def __init__(self, path, spec, *, shard=(0, 1), heartbeat_s=1.0, lock_wait_s=2.0,
+                 memory_budget=None):
+        self.spec = spec
+        self.codec = spec.make_codec()
+        self.base = base_path(path)
+        self.final = final_path(self.base)
+        self.parts = parts_path(self.base)
+        self.shard, self.nshards = int(shard[0]), int(shard[1])
+        if not (self.nshards >= 1 and 0 <= self.shard < self.nshards):
+            raise StoreError(f"shard {shard[0]}/{shard[1]} is invalid: use i/n with 0 <= i < n, e.g. 0/2")
+        self.memory_budget = memory_budget
+        self.rows_written = 0
+        self.rows_skipped = 0
+        self._file = None
+        self._lock_fh = None
+        self._hb_stop = threading.Event()
+        self._hb_thread = None
+        self.complete = False
+        self.segment_path = None
+
+        if os.path.exists(self.final):
+            check_final_matches(self.final, spec)
+            self.complete = True
+            self._todo = np.zeros(spec.num_keys, dtype=bool)
+            return
+        self._prepare_dir()
+        self._lock(lock_wait_s)
+        try:
+            self._start_heartbeat(heartbeat_s)
+            done = scan_done(self.parts, spec)
+            mine = (np.arange(spec.num_keys, dtype=np.int64) % self.nshards) == self.shard
+            self._todo = mine & ~done
+        except BaseException:
+            self._unlock()
+            raise
+
+    # -- set-up ------------------------------------------------------------------------------
+    def _prepare_dir(self):
+        parent = os.path.dirname(self.base) or "."
+        if os.path.exists(parent) and not os.path.isdir(parent):
+            raise StoreError(f"cache directory {parent} is a file, not a directory: pass --cache-dir "
+                             f"to a directory (or set KDCACHE_DIR)")
+        try:
+            os.makedirs(self.parts, exist_ok=True)
+        except FileExistsError:
+            raise StoreError(f"{self.parts} exists and is not a directory: remove it, or pass another "
+                             f"--cache-dir") from None
+        except OSError as e:
+            raise _fs_error(e, self.parts, "make the cache directory writable or pass another --cache-dir") from None
+        manifest = read_manifest(self.parts)
+        if manifest is None:
+            try:
+                write_json_atomic(os.path.join(self.parts, schema.MANIFEST), self.spec.meta())
+            except OSError as e:
+                raise _fs_error(e, self.parts, "make the cache directory writable or pass another --cache-dir") from None
+        elif manifest.get(schema.A_FINGERPRINT) != self.spec.fingerprint:
+            raise FingerprintMismatchError(
+                f"{self.parts} holds a cache in progress for fingerprint {manifest.get(schema.A_FINGERPRINT)}, "
+                f"these inputs give {self.spec.fingerprint}: pass another cache path, or remove it to rebuild")
+
+    def _lock(self, wait_s):
+        path = os.path.join(self.parts, schema.lock_name(self.shard, self.nshards))
+        try:
+            fh = open(path, "a+")
+        except OSError as e:
+            raise _fs_error(e, path, "make the cache directory writable or pass another --cache-dir") from None
+        try:
+            os.chmod(path, 0o644)
+        except OSError:
+            pass
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    fh.seek(0)
+                    try:
+                        holder = json.loads(fh.read() or "{}")
+                    except ValueError:
+                        holder = {}
+                    fh.close()
+                    raise WriterBusyError(
+                        f"another producer (pid {holder.get('pid', '?')} on {holder.get('host', '?')}) is "
+                        f"writing shard {self.shard}/{self.nshards} of cache {self.base}: wait for it to "
+                        f"finish, stop it, or give this one another shard (--shard i/n)") from None
+                time.sleep(0.05)
+        fh.seek(0)
+        fh.truncate()
+        fh.write(json.dumps({"pid": os.getpid(), "host": HOST, "shard": f"{self.shard}/{self.nshards}",
+                             "started": time.time()}))
+        fh.flush()
+        self._lock_fh = fh
+        self.lock_path = path
+
+    def _start_heartbeat(self, every):
+        # The lock file's mtime is the heartbeat readers on other hosts go by.
+        def beat():
+            while not self._hb_stop.wait(every):
+                try:
+                    os.utime(self.lock_path)
+                except OSError:
+                    pass
+        self._hb_thread = threading.Thread(target=beat, name="kdcache-heartbeat", daemon=True)
+        self._hb_thread.start()
+
+    def _unlock(self):
+        self._hb_stop.set()
+        if self._lock_fh is not None:
+            try:
+                fcntl.flock(self._lock_fh.fileno(), fcntl.LOCK_UN)
+            finally:
+                self._lock_fh.close()
+                self._lock_fh = None
+
+    # -- what is owed ---------------------------------------------------------------------------
+    def missing(self):
+        """Flat keys this writer still owes, ascending (index * views + view)."""
+        return np.flatnonzero(self._todo)
+
+    def is_done(self, keys):
+        """Boolean mask: which of these flat keys need no more writing by this writer."""
+        return ~self._todo[np.asarray(keys, dtype=np.int64)]
+
+    @property
+    def remaining(self):
+        return int(self._todo.sum())
+
+    def flat_keys(self, indices, views=0):
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        v = np.broadcast_to(np.asarray(views, dtype=np.int64), idx.shape)
+        n, nv = self.spec.num_samples, self.spec.views
+        if idx.size and (idx.min() < 0 or idx.max() >= n):
+            bad = idx[(idx < 0) | (idx >= n)][:5]
+            raise BadInputError(f"sample indices {bad.tolist()} are out of range [0, {n}): the data set "
+                                f"and the cache disagree on its length; rebuild with the right --dataset")
+        if v.size and (v.min() < 0 or v.max() >= nv):
+            bad = v[(v < 0) | (v >= nv)][:5]
+            raise BadInputError(f"views {bad.tolist()} are out of range [0, {nv}): the cache has {nv} "
+                                f"view(s); pass the same --views as when it was built")
+        return idx * nv + v
+
+    # -- writing ------------------------------------------------------------------------------
+    def write(self, indices, logits, views=0):
+        """Append the teacher's raw logits [B, C] for samples `indices` (view `views`).
+
+        Rows are durable before they are marked done: data and keys are flushed, then the
+        committed-row count is written and flushed. Keys already done are skipped.
+        Returns the number of rows written.
+        """
+        keys = self.flat_keys(indices, views)
+        logits = np.asarray(logits)
+        c = self.spec.num_classes
+        if logits.ndim != 2 or logits.shape[0] != keys.size or logits.shape[1] != c:
+            raise BadInputError(f"logits of shape {tuple(logits.shape)} do not fit {keys.size} keys x {c} "
+                                f"classes: the teacher's output must be [batch, {c}]; check the teacher "
+                                f"and --dataset (class count)")
+        if not np.issubdtype(logits.dtype, np.floating):
+            raise BadInputError(f"logits have dtype {logits.dtype}: pass the teacher's floating point output")
+        finite = np.isfinite(logits).all(axis=1)
+        if not finite.all():
+            bad = keys[~finite][:5].tolist()
+            raise BadInputError(f"{int((~finite).sum())} teacher output row(s) hold NaN or Inf (flat keys "
+                                f"{bad}): the teacher's weights or input preprocessing are broken; nothing "
+                                f"of this batch was written")
+        if self.complete:
+            self.rows_skipped += keys.size
+            return 0
+        foreign = (keys % self.nshards) != self.shard
+        if foreign.any():
+            k = int(keys[foreign][0])
+            raise BadInputError(f"flat key {k} belongs to shard {k % self.nshards}/{self.nshards}, this "
+                                f"writer owns shard {self.shard}/{self.nshards}: write only missing() keys")
+        keys, first = np.unique(keys, return_index=True)
+        keep = self._todo[keys]
+        self.rows_skipped += int(keys.size - keep.sum()) + (logits.shape[0] - first.size)
+        if not keep.any():
+            return 0
+        rows_idx = first[keep]
+        keys = keys[keep]
+        enc = self.codec.encode(logits[rows_idx], keys=keys)
+        if self._file is None:
+            self._open_segment()
+        f = self._file
+        a, b = self._rows, self._rows + keys.size
+        for name, arr in enc.items():
+            f[name][a:b] = arr
+        f[schema.SEG_KEYS][a:b] = keys
+        f.flush()
+        f[schema.SEG_STATE][schema.STATE_ROWS] = b
+        f.flush()
+        self._rows = b
+        self._todo[keys] = False
+        self.rows_written += keys.size
+        return int(keys.size)
+
+    def _open_segment(self):
+        try:
+            self._file, self.segment_path = create_segment(self.parts, self.spec, self.codec,
+                                                           int(self._todo.sum()), self.shard, self.nshards)
+        except OSError as e:
+            raise _fs_error(e, self.parts, "free disk space or make the cache directory writable, "
+                                           "then run the producer again: it resumes") from None
+        self._rows = 0
+
+    # -- closing ------------------------------------------------------------------------------
+    def close(self):
+        """Close the segment; compact the cache when every key is done. Returns `complete`."""
+        if self._file is not None:
+            try:
+                self._file[schema.SEG_STATE][schema.STATE_CLOSED] = 1
+                self._file.flush()
+            finally:
+                self._file.close()
+                self._file = None
+        if not self.complete and self._lock_fh is not None:
+            try:
+                self.complete = finalize(self.base, self.spec, memory_budget=self.memory_budget)
+            finally:
+                self._unlock()
+        self._unlock()
+        return self.complete
+
+    def abort(self):
+        """Close without compacting (what a crash leaves, minus the crash)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        self._unlock()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+        return False
+
+
+def finalize(path, spec, *, memory_budget=None):
+    """If the segments at `path` cover every key, write the key-ordered cache file `P.h5` (temp
+    name, fsync, rename) and remove the segments. Returns True when the cache is complete."""
+    base = base_path(path)
+    final, parts = final_path(base), parts_path(base)
+    if os.path.exists(final):
+        return True
+    codec = spec.make_codec()
+    with open(os.path.join(parts, schema.COMPACT_LOCK), "a+") as lk:
+        fcntl.flock(lk.fileno(), fcntl.LOCK_EX)
+        if os.path.exists(final):
+            return True
+        if not scan_done(parts, spec).all():
+            return False
+        n, v, nk = spec.num_samples, spec.views, spec.num_keys
+        need = nk * codec.bytes_per_row
+        budget = memory_budget if memory_budget is not None else available_memory() // 2
+        tables, spill = {}, []
+        for name, shape, dtype in codec.fields:
+            if need <= budget:
+                tables[name] = np.empty((nk,) + tuple(shape), dtype=dtype)
+            else:  # larger than memory: scatter into a page-cached memmap instead
+                p = os.path.join(parts, f".compact-{name}.tmp")
+                tables[name] = np.memmap(p, dtype=dtype, mode="w+", shape=(nk,) + tuple(shape))
+                spill.append(p)
+        filled = np.zeros(nk, dtype=bool)
+        step = max(1, (64 << 20) // max(1, codec.bytes_per_row))
+        for seg in list_segments(parts):
+            with open_swmr(seg) as f:
+                rows, _ = committed_rows(f)
+                for a in range(0, rows, step):
+                    keys, fields = read_segment_rows(f, codec, a, min(rows, a + step))
+                    new = ~filled[keys]  # duplicates (overlapping shard layouts) hold equal rows
+                    keys = keys[new]
+                    for name in tables:
+                        tables[name][keys] = fields[name][new]
+                    filled[keys] = True
+        tmp = f"{final}.tmp-{os.getpid()}"
+        try:
+            with h5py.File(tmp, "w") as out:
+                for k, val in spec.meta().items():
+                    out.attrs[k] = val
+                out.attrs[schema.A_KIND] = schema.KIND_CACHE
+                out.attrs[schema.A_COMPLETE] = 1
+                for name, shape, dtype in codec.fields:
+                    d = out.create_dataset(name, shape=(n, v) + tuple(shape), dtype=dtype)
+                    src = tables[name].reshape((n, v) + tuple(shape))
+                    rstep = max(1, step // v)
+                    for a in range(0, n, rstep):
+                        d[a:a + rstep] = src[a:a + rstep]
+                out.create_dataset(schema.DONE, data=np.ones((n, v), dtype=np.uint8))
+            with open(tmp, "rb+") as fh:
+                os.fsync(fh.fileno())
+            os.replace(tmp, final)
+            _fsync_dir(os.path.dirname(final) or ".")
+        except OSError as e:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise _fs_error(e, final, "free disk space, then run the producer again: every row is kept "
+                                      "in the segments and compaction is retried") from None
+        finally:
+            for p in spill:
+                try:
+                    os.unlink(p)
+                except OSError:
+                    pass
+    import shutil
+    shutil.rmtree(parts, ignore_errors=True)
+    return True
+
+
+def _fsync_dir(d):
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def available_memory():
+    """MemAvailable from /proc/meminfo in bytes (a conservative 1 GiB if unknown)."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 30

@@ -1,0 +1,1 @@
+"""kdcache trainer: the student trained on cached soft targets."""

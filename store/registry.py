@@ -172,3 +172,106 @@ def remove(path):
     except FileNotFoundError:
         pass
     shutil.rmtree(parts_path(base), ignore_errors=True)
+
+
+def verify(path, *, block_rows=65536):
+    """Check a cache: schema, flags, fingerprint, finite values, key ranges, completeness.
+
+    Returns (report dict, [problems]); the cache is sound exactly when problems is empty.
+    """
+    import json as _json
+
+    from .errors import StoreError as _SE
+    from .fingerprint import fingerprint as _fp
+    from .segment import committed_rows, list_segments, open_final, open_swmr, read_manifest, read_meta
+    from .spec import CacheSpec
+    base = base_path(path)
+    fin, parts = final_path(base), parts_path(base)
+    problems = []
+    report = {"path": fin if os.path.exists(fin) else parts}
+
+    def check_meta(meta, where):
+        try:
+            spec = CacheSpec.from_meta(meta)
+        except (_SE, KeyError, ValueError, TypeError) as e:
+            problems.append(f"{where}: metadata incomplete or invalid ({e})")
+            return None
+        if spec.fingerprint != meta.get(schema.A_FINGERPRINT):
+            problems.append(f"{where}: fingerprint attribute {meta.get(schema.A_FINGERPRINT)} does not match "
+                            f"the inputs it records ({spec.fingerprint}): metadata was altered")
+        if is_fingerprint(os.path.basename(base)) and os.path.basename(base) != meta.get(schema.A_FINGERPRINT):
+            problems.append(f"{where}: file is named {os.path.basename(base)} but holds fingerprint "
+                            f"{meta.get(schema.A_FINGERPRINT)}")
+        return spec
+
+    def check_rows(fields, codec, where, c):
+        for name, arr in fields.items():
+            if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+                problems.append(f"{where}: dataset {name} holds NaN/Inf values")
+        if schema.TOPK_INDICES in fields:
+            ix = fields[schema.TOPK_INDICES]
+            if ix.size and (ix.min() < 0 or ix.max() >= c):
+                problems.append(f"{where}: {schema.TOPK_INDICES} has class indices outside [0, {c})")
+
+    try:
+        if os.path.exists(fin):
+            with open_final(fin) as f:
+                meta = read_meta(f, fin)
+                spec = check_meta(meta, fin)
+                if spec is None:
+                    return report, problems
+                codec = spec.make_codec()
+                n, v = spec.num_samples, spec.views
+                report.update(fingerprint=spec.fingerprint, num_keys=spec.num_keys, kind=meta.get(schema.A_KIND))
+                if int(meta.get(schema.A_COMPLETE, 0)) != 1:
+                    problems.append(f"{fin}: complete flag is not set")
+                for name, shape, dtype in codec.fields + [(schema.DONE, (), np.dtype(np.uint8))]:
+                    if name not in f:
+                        problems.append(f"{fin}: dataset {name} is missing")
+                    elif f[name].shape != (n, v) + tuple(shape) or f[name].dtype != dtype:
+                        problems.append(f"{fin}: dataset {name} is {f[name].shape} {f[name].dtype}, expected "
+                                        f"{(n, v) + tuple(shape)} {dtype}")
+                if problems:
+                    return report, problems
+                if not np.all(f[schema.DONE][...] == 1):
+                    problems.append(f"{fin}: some rows are not marked done")
+                step = max(1, block_rows // v)
+                for a in range(0, n, step):
+                    check_rows({name: f[name][a:a + step] for name, _, _ in codec.fields}, codec,
+                               f"{fin} samples [{a}, {min(n, a + step)})", spec.num_classes)
+                report["done"] = 1.0
+        elif os.path.isdir(parts):
+            meta = read_manifest(parts)
+            if meta is None:
+                problems.append(f"{parts}: no manifest")
+                return report, problems
+            spec = check_meta(meta, parts)
+            if spec is None:
+                return report, problems
+            codec = spec.make_codec()
+            done = np.zeros(spec.num_keys, dtype=bool)
+            for seg in list_segments(parts):
+                with open_swmr(seg, retry_s=1.0) as f:
+                    sm = read_meta(f, seg)
+                    if sm.get(schema.A_FINGERPRINT) != spec.fingerprint:
+                        problems.append(f"{seg}: belongs to fingerprint {sm.get(schema.A_FINGERPRINT)}")
+                        continue
+                    rows, _ = committed_rows(f)
+                    from .segment import read_segment_rows
+                    for a in range(0, rows, block_rows):
+                        keys, fields = read_segment_rows(f, codec, a, min(rows, a + block_rows))
+                        if keys.size and (keys.min() < 0 or keys.max() >= spec.num_keys):
+                            problems.append(f"{seg}: keys outside [0, {spec.num_keys})")
+                            continue
+                        check_rows(fields, codec, f"{seg} rows [{a}, {a + keys.size})", spec.num_classes)
+                        done[keys] = True
+            report.update(fingerprint=spec.fingerprint, num_keys=spec.num_keys, done=float(done.mean()))
+            problems.append(f"{parts}: incomplete: {int((~done).sum())} of {spec.num_keys} keys not done yet "
+                            f"(run the producer to finish it)")
+        else:
+            problems.append(f"no cache at {base}")
+    except _SE as e:
+        problems.append(str(e))
+    except (OSError, KeyError, ValueError, _json.JSONDecodeError) as e:
+        problems.append(f"{report['path']}: unreadable ({type(e).__name__}: {e})")
+    return report, problems

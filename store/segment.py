@@ -38,10 +38,13 @@ def create_segment(directory, spec, codec, rows, shard, nshards):
         f.attrs[schema.A_COMPLETE] = 0
         for fname, shape, dtype in codec.fields:
             f.create_dataset(fname, shape=(rows,) + tuple(shape), dtype=dtype,
-                             chunks=(chunk_rows(codec.bytes_per_row),) + tuple(shape))
+                             chunks=(min(rows, chunk_rows(codec.bytes_per_row)),) + tuple(shape))
         f.create_dataset(schema.SEG_KEYS, shape=(rows,), dtype=np.int64,
-                         chunks=(chunk_rows(8 * 64),), fillvalue=-1)
-        f.create_dataset(schema.SEG_STATE, shape=(schema.STATE_LEN,), dtype=np.int64)
+                         chunks=(min(rows, chunk_rows(8 * 64)),), fillvalue=-1)
+        # Chunked, not contiguous: HDF5 >= 1.14.4 readers reject contiguous datasets of a file
+        # in SWMR write ("invalid dataset size") -- HDFGroup/hdf5 issue 5251.
+        f.create_dataset(schema.SEG_STATE, shape=(schema.STATE_LEN,), dtype=np.int64,
+                         chunks=(schema.STATE_LEN,))
         f.swmr_mode = True
         f.flush()
         os.replace(tmp, final)

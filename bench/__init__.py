@@ -1,0 +1,1 @@
+"""Benchmarks: one script per comparison, each printing a table (python -m bench.<name>)."""

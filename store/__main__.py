@@ -1,0 +1,152 @@
+"""python -m store: list, inspect, verify and clean the caches in a cache directory."""
+import argparse
+import datetime
+import json
+import os
+import sys
+
+from . import registry
+from .errors import StoreError
+
+
+def _when(t):
+    if t is None:
+        return "-"
+    if isinstance(t, str):
+        return t.replace("+00:00", "Z")
+    return datetime.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M")
+
+
+def _size(b):
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if b < 1024 or unit == "TiB":
+            return f"{b:.0f} {unit}" if unit == "B" else f"{b:.1f} {unit}"
+        b /= 1024
+
+
+def _table(rows, cols):
+    widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in cols]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths))]
+    lines += ["  ".join(str(r.get(c, "")).ljust(w) for c, w in zip(cols, widths)) for r in rows]
+    return "\n".join(lines)
+
+
+def cmd_ls(args):
+    entries = [registry.info(b) for b in registry.cache_bases(args.cache_dir)]
+    if args.json:
+        print(json.dumps(entries, indent=1, default=str))
+        return 0
+    d = registry.resolve_cache_dir(args.cache_dir)
+    if not entries:
+        print(f"no caches in {d}")
+        return 0
+    rows = [{"fingerprint": e.get("fingerprint") or e["name"], "state": e["state"],
+             "teacher": e.get("teacher", ""), "dataset": e.get("dataset", ""), "views": e.get("views", ""),
+             "codec": f"{e.get('codec', '')}/{e.get('dtype', '')}" if e.get("codec") else "",
+             "done": f"{100 * e.get('done', 0):.1f}%", "size": _size(e["size"]),
+             "created": _when(e.get("created")), "last used": _when(e.get("last_used"))} for e in entries]
+    print(f"caches in {d}:")
+    print(_table(rows, list(rows[0])))
+    return 0
+
+
+def cmd_inspect(args):
+    from .segment import open_final, read_manifest, read_meta
+    base = registry.base_path(args.path)
+    fin, parts = registry.final_path(base), registry.parts_path(base)
+    if os.path.exists(fin):
+        with open_final(fin) as f:
+            meta = read_meta(f, fin)
+            meta["datasets"] = {k: {"shape": list(f[k].shape), "dtype": str(f[k].dtype)} for k in f.keys()}
+    elif os.path.isdir(parts):
+        meta = read_manifest(parts) or {}
+    else:
+        raise StoreError(f"no cache at {base}: pass a path that `python -m store ls` shows")
+    meta.update({k: v for k, v in registry.info(base).items() if k not in meta})
+    if args.json:
+        print(json.dumps(meta, indent=1, sort_keys=True, default=str))
+    else:
+        for k in sorted(meta):
+            print(f"{k:24s} {json.dumps(meta[k], default=str) if isinstance(meta[k], (dict, list)) else meta[k]}")
+    return 0
+
+
+def cmd_verify(args):
+    report, problems = registry.verify(args.path)
+    report["sound"] = not problems
+    report["problems"] = problems
+    if args.json:
+        print(json.dumps(report, indent=1, default=str))
+    else:
+        print(f"{report['path']}: {'sound' if not problems else 'NOT sound'}")
+        for p in problems:
+            print(f"  - {p}")
+    return 0 if not problems else 1
+
+
+def cmd_gc(args):
+    from .ring import cleanup_stale
+    max_bytes = None
+    if args.max_size:
+        units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+        s = args.max_size.strip().lower().rstrip("b").rstrip("i")
+        try:
+            max_bytes = int(float(s[:-1]) * units[s[-1]]) if s[-1] in units else int(s)
+        except (ValueError, IndexError, KeyError):
+            raise StoreError(f"--max-size {args.max_size!r}: use a size like 500M or 20G") from None
+    victims = registry.gc(args.cache_dir, older_than_days=args.older_than, max_bytes=max_bytes,
+                          incomplete=not args.keep_incomplete, dry_run=args.dry_run, min_age_s=args.min_age)
+    rings = cleanup_stale(dry_run=args.dry_run)
+    verb = "would remove" if args.dry_run else "removed"
+    if args.json:
+        print(json.dumps({"dry_run": args.dry_run, "caches": [{"path": p, "reason": r, "bytes": b}
+                                                              for p, r, b in victims], "rings": rings}))
+        return 0
+    for p, r, b in victims:
+        print(f"{verb} {p} ({r}, {_size(b)})")
+    for name in rings:
+        print(f"{verb} stale shared-memory ring {name}")
+    if not victims and not rings:
+        print("nothing to remove")
+    else:
+        print(f"{verb} {len(victims)} cache(s), {_size(sum(b for _, _, b in victims))}")
+    return 0
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m store", description=(
+        "Inspect and maintain kdcache soft-target caches. A cache is named by its fingerprint: "
+        "<cache-dir>/<fingerprint>.h5 when complete, <fingerprint>.parts/ while producers fill it."))
+    p.add_argument("--cache-dir", help="cache directory (default: $KDCACHE_DIR, else ./caches)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("ls", help="list caches: fingerprint, teacher, data set, views, codec, done, size, dates")
+    s.set_defaults(fn=cmd_ls)
+    s = sub.add_parser("inspect", help="print all metadata of one cache")
+    s.add_argument("path", help="cache path (P, P.h5 or P.parts)")
+    s.set_defaults(fn=cmd_inspect)
+    s = sub.add_parser("verify", help="check schema, flags, finite values and completeness; exit 0 only when sound")
+    s.add_argument("path", help="cache path (P, P.h5 or P.parts)")
+    s.set_defaults(fn=cmd_verify)
+    s = sub.add_parser("gc", help="remove incomplete, damaged or unused caches and stale shared-memory rings")
+    s.add_argument("--older-than", type=float, metavar="DAYS", help="also remove complete caches unused for DAYS")
+    s.add_argument("--max-size", metavar="SIZE", help="then remove least recently used caches until the "
+                                                       "directory fits SIZE (e.g. 20G)")
+    s.add_argument("--keep-incomplete", action="store_true", help="keep incomplete caches")
+    s.add_argument("--min-age", type=float, default=60.0, metavar="S",
+                   help="leave incomplete caches touched in the last S seconds (default 60)")
+    s.add_argument("--dry-run", action="store_true", help="only print what would be removed")
+    s.set_defaults(fn=cmd_gc)
+    for s in sub.choices.values():  # accept the global options after the command too
+        s.add_argument("--cache-dir", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        s.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    try:
+        return args.fn(args)
+    except StoreError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""Test helpers: deterministic teacher logits by key, and a producer process for crash tests.
+
+`python -m tests.helpers produce --path P --num-samples N ...` writes the cache at P in a
+shuffled order, in batches, with an optional delay, and can be killed at any moment.
+"""
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+from store import CacheSpec, CacheWriter
+
+
+def expected_logits(keys, num_classes, scale=6.0):
+    """The 'teacher output' for flat keys: deterministic, distinct per key, finite, spread."""
+    k = np.asarray(keys, dtype=np.float64).reshape(-1, 1)
+    c = np.arange(num_classes, dtype=np.float64).reshape(1, -1)
+    return (scale * np.sin(0.7389 * k + 1.618 * c + 0.1 * k * c / (1.0 + c))).astype(np.float32)
+
+
+def make_spec(num_samples=500, num_classes=10, views=1, codec="full", dtype="float32", tag="test"):
+    return CacheSpec(num_samples=num_samples, num_classes=num_classes, views=views, codec=codec,
+                     dtype=dtype, inputs={"teacher": {"name": tag, "digest": "0" * 16},
+                                          "dataset": {"name": "synthetic", "length": num_samples}})
+
+
+def produce(path, spec, *, shard=(0, 1), batch=32, delay=0.0, seed=0, progress_file=None):
+    """Fill (this shard of) the cache in a seeded shuffled order. Returns the writer's complete flag."""
+    with CacheWriter(path, spec, shard=shard) as w:
+        todo = w.missing()
+        order = np.random.default_rng(seed).permutation(todo)
+        for a in range(0, order.size, batch):
+            keys = order[a:a + batch]
+            w.write(keys // spec.views, expected_logits(keys, spec.num_classes), views=keys % spec.views)
+            if progress_file:
+                with open(progress_file, "a") as fh:
+                    fh.write(f"{w.rows_written}\n")
+            if delay:
+                time.sleep(delay)
+    return w.complete
+
+
+def follow(path, spec, *, timeout=60.0):
+    """Reader process: verify every row as it appears until the cache is complete.
+    Returns (rows verified, rows that differed from the teacher's output)."""
+    import json
+    from store import CacheReader, CacheNotFoundError
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            r = CacheReader(path, spec=spec)
+            break
+        except CacheNotFoundError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+    checked = np.zeros(spec.num_keys, dtype=bool)
+    bad = 0
+    while time.monotonic() < deadline:
+        r.refresh()
+        new = np.flatnonzero(r._done & ~checked) if not r.complete else np.flatnonzero(~checked)
+        if new.size:
+            got = r.get(new // spec.views, views=new % spec.views, wait=False)
+            want = spec.make_codec().decode(spec.make_codec().encode(expected_logits(new, spec.num_classes)))
+            bad += int((~np.all(got == want, axis=1)).sum())
+            checked[new] = True
+        if r.complete and checked.all():
+            break
+        time.sleep(0.002)
+    print(json.dumps({"verified": int(checked.sum()), "mismatched": bad, "complete": r.complete}), flush=True)
+    return 0
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("cmd", choices=["produce", "follow"])
+    p.add_argument("--path", required=True)
+    p.add_argument("--num-samples", type=int, default=500)
+    p.add_argument("--num-classes", type=int, default=10)
+    p.add_argument("--views", type=int, default=1)
+    p.add_argument("--codec", default="full")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--shard", default="0/1")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--delay", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--progress-file")
+    a = p.parse_args(argv)
+    spec = make_spec(a.num_samples, a.num_classes, a.views, a.codec, a.dtype)
+    if a.cmd == "follow":
+        return follow(a.path, spec)
+    i, n = (int(x) for x in a.shard.split("/"))
+    done = produce(a.path, spec, shard=(i, n), batch=a.batch, delay=a.delay, seed=a.seed,
+                   progress_file=a.progress_file)
+    print("complete" if done else "partial", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

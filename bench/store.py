@@ -39,10 +39,10 @@ from store import CacheReader, CacheSpec, CacheWriter, path_for  # noqa: E402
 BATCH = 256
 DEFAULT_OUT = os.path.join("bench", "results", "store.json")
 
-# Sizes: full run (~3 min on 2 cores) and --quick (< 1 min).
+# Sizes: full run (~1 min on 2 cores) and --quick (~15 s).
 FULL = dict(gather_n=200_000, gather_batches=2000, gather_repeats=5,
             files_n=20_000, files_batches=50, files_repeats=3,
-            write_n={10: 100_000, 1000: 20_000}, write_repeats=3,
+            write_n={10: 100_000, 1000: 20_000}, write_repeats=5,
             bytes_n=20_000, ooc_batches=200, ooc_repeats=3)
 QUICK = dict(gather_n=50_000, gather_batches=1000, gather_repeats=3,
              files_n=5_000, files_batches=20, files_repeats=2,

@@ -57,6 +57,13 @@ def touch_used(path):
         pass  # read-only caches are still usable
 
 
+def _restore_atime(path, st):
+    try:
+        os.utime(path, (st.st_atime, st.st_mtime))
+    except OSError:
+        pass
+
+
 def _size(path):
     if os.path.isdir(path):
         return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs
@@ -86,9 +93,10 @@ def info(path):
     out = {"path": fin if os.path.exists(fin) else parts, "name": os.path.basename(base)}
     try:
         if os.path.exists(fin):
+            st = os.stat(fin)  # before reading: looking at a cache is not using it
             with open_final(fin) as f:
                 meta = read_meta(f, fin)
-            st = os.stat(fin)
+            _restore_atime(fin, st)
             out.update(state="complete", done=1.0, size=st.st_size, last_used=st.st_atime)
         else:
             meta = read_manifest(parts)

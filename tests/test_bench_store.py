@@ -1,0 +1,43 @@
+"""The store benchmark runs end to end (--quick) and writes the report the README and issues quote."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+RATIOS = ("gather_vs_numpy", "gather_vs_per_sample_files", "shuffled_vs_ordered_write_c10",
+          "shuffled_vs_ordered_write_c1000")
+
+
+@pytest.mark.slow
+def test_bench_store_quick_writes_report(tmp_path):
+    out = tmp_path / "results" / "store.json"
+    scratch = tmp_path / "scratch"
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, "-m", "bench.store", "--quick", "--out", str(out),
+                           "--tmp", str(scratch)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+    report = json.loads(out.read_text())
+    for key in RATIOS:
+        v = report[key]
+        assert isinstance(v, float) and math.isfinite(v) and v > 0, (key, v)
+    # Speed floors are for the benchmark report, not for tests: machines are noisy.
+    assert set(report["floors"]) >= set(RATIOS)
+    assert set(report["verdicts"]) >= set(RATIOS)
+    assert report["quick"] is True
+    assert report["machine"]["numpy"] and report["date"]
+
+    bpr = report["bytes_per_row"]
+    assert bpr["full/float16@C=100"] == 200
+    assert bpr["topk:5@C=100"] <= 4 * 5 + 8
+    assert report["bytes_per_row_on_disk"]["full/float16@C=100"] >= 200
+
+    # One markdown table per section on stdout, and every temporary file removed.
+    assert proc.stdout.count("\n## ") == 5 and "PASS" in proc.stdout
+    assert os.listdir(scratch) == []

@@ -46,7 +46,7 @@ FULL = dict(gather_n=200_000, gather_batches=2000, gather_repeats=5,
             bytes_n=20_000, ooc_batches=200, ooc_repeats=3)
 QUICK = dict(gather_n=50_000, gather_batches=1000, gather_repeats=3,
              files_n=5_000, files_batches=20, files_repeats=2,
-             write_n={10: 20_000, 1000: 4_000}, write_repeats=2,
+             write_n={10: 20_000, 1000: 4_000}, write_repeats=3,
              bytes_n=4_000, ooc_batches=50, ooc_repeats=2)
 
 FLOORS = {
@@ -195,28 +195,43 @@ def bench_gather_vs_numpy(root, p, rng):
         for b in batches:
             arr[b]
 
-    sides = {"kdcache": kdcache, "numpy_f32": numpy_f32, "numpy_raw": numpy_raw}
+    held = reader._tables["logits"]  # the array the reader holds in RAM (float32 once widened)
+
+    def numpy_held():
+        for b in batches:
+            held[b]
+
+    sides = {"kdcache": kdcache, "numpy_held": numpy_held, "numpy_f32": numpy_f32, "numpy_raw": numpy_raw}
     timed_rounds(sides, 1)  # warm-up
     times = timed_rounds(sides, p["gather_repeats"])
     rows = batches.size
     rps = {k: rows / min(t) for k, t in times.items()}
     med = {k: rows / statistics.median(t) for k, t in times.items()}
-    ratio = rps["kdcache"] / rps["numpy_f32"]
-    strict = rps["kdcache"] / rps["numpy_raw"]
+    # The verdict compares with numpy fancy indexing of the very array the reader holds in RAM
+    # (float32: a float16 cache is widened once when that fits the memory budget). Two other
+    # baselines are printed: the stored float16 array (stricter: half the bytes to move, but no
+    # float32 output) and that array converted per batch (the same output as reader.get).
+    ratio = rps["kdcache"] / rps["numpy_held"]
+    raw16 = rps["kdcache"] / rps["numpy_raw"]
+    f32 = rps["kdcache"] / rps["numpy_f32"]
     res = {"n": n, "c": c, "dtype": "float16", "batch": BATCH, "batches": int(batches.shape[0]),
            "repeats": p["gather_repeats"], "rows_per_s_best": rps, "rows_per_s_median": med,
            "us_per_batch_best": {k: 1e6 * min(t) / batches.shape[0] for k, t in times.items()},
-           "gather_vs_numpy": ratio, "gather_vs_numpy_raw": strict,
-           "ratio_baseline": "numpy_f32: arr[batch].astype(np.float32), since reader.get returns float32"}
+           "gather_vs_numpy": ratio, "gather_vs_numpy_float16_array": raw16, "gather_vs_numpy_f32": f32,
+           "held_dtype": str(held.dtype),
+           "ratio_baseline": "numpy_held: arr[batch] on the array the reader holds in RAM"}
     table = md_table(
-        ["N x C (fp16)", "kdcache get rows/s", "numpy arr[b].astype(f32) rows/s", "numpy arr[b] rows/s",
-         "gather_vs_numpy (vs f32)", "vs raw arr[b]", "floor", "verdict"],
-        [[f"{n:,} x {c}", rate(rps["kdcache"]), rate(rps["numpy_f32"]), rate(rps["numpy_raw"]),
-          f"{ratio:.2f}", f"{strict:.2f}", f">= {FLOORS['gather_vs_numpy']}",
+        ["N x C (fp16)", "kdcache get", f"numpy held[b] ({held.dtype})", "numpy arr16[b]",
+         "numpy arr16[b].astype(f32)", "gather_vs_numpy", "vs arr16[b]", "vs arr16[b].astype(f32)", "floor",
+         "verdict"],
+        [[f"{n:,} x {c}", rate(rps["kdcache"]), rate(rps["numpy_held"]), rate(rps["numpy_raw"]),
+          rate(rps["numpy_f32"]), f"{ratio:.2f}", f"{raw16:.2f}", f"{f32:.2f}", f">= {FLOORS['gather_vs_numpy']}",
           verdict(ratio, FLOORS["gather_vs_numpy"])]])
-    note = (f"{batches.shape[0]} random batches of {BATCH} (shuffled epochs), best of {p['gather_repeats']} "
-            f"interleaved runs; the ratio uses the float32 baseline (same output type as reader.get); "
-            f"'vs raw arr[b]' is the stricter baseline without the float32 conversion.")
+    note = (f"rows/s; {batches.shape[0]} random batches of {BATCH} (shuffled epochs), best of "
+            f"{p['gather_repeats']} interleaved runs. gather_vs_numpy = reader.get vs numpy fancy indexing of "
+            f"the same array the reader holds in RAM ({held.dtype}: a float16 cache is widened once when that fits "
+            f"the memory budget, so get() returns float32 with one gather). Also shown: vs indexing the stored "
+            f"float16 array (no float32 output) and vs indexing it then converting to float32 (same output).")
     return res, table, note, (spec, path, reader, batches, rps["kdcache"])
 
 
@@ -467,7 +482,8 @@ def main(argv=None):
     floors.update({f"bytes_per_row {k}": {"op": "<=", "value": v} for k, v in r4["topk_floor"].items()})
     report = {
         **ratios,
-        "gather_vs_numpy_raw": r1["gather_vs_numpy_raw"],
+        "gather_vs_numpy_f32": r1["gather_vs_numpy_f32"],
+        "gather_vs_numpy_float16_array": r1["gather_vs_numpy_float16_array"],
         "bytes_per_row": r4["bytes_per_row"],
         "bytes_per_row_on_disk": r4["bytes_per_row_on_disk"],
         "rows_per_s": {

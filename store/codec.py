@@ -52,7 +52,7 @@ class FullCodec:
     def decode(self, fields, out=None):
         x = fields[schema.LOGITS]
         if out is None:
-            return x.astype(np.float32)
+            return x.astype(np.float32, copy=False)
         out[...] = x
         return out
 

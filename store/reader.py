@@ -75,13 +75,20 @@ class CacheReader:
         nk = self.spec.num_keys
         budget = memory_budget if memory_budget is not None else available_memory() // 2
         self.in_ram = nk * self.codec.bytes_per_row <= budget
+        # Full float16 logits are widened to float32 once, when that still fits: a batch is then
+        # a single gather instead of a gather plus a (slow) float16 conversion per batch.
+        self._ram_dtype = {}
+        if self.in_ram and self.codec.name == "full" and nk * self.spec.num_classes * 4 <= budget:
+            self._ram_dtype[schema.LOGITS] = np.dtype(np.float32)
         self._done = np.zeros(nk, dtype=bool)
         self.complete = False
+        self._plain = None
         if os.path.exists(self.final):
             self._open_final()
         else:
             if self.in_ram:
-                self._tables = {n: np.zeros((nk,) + tuple(s), dtype=d) for n, s, d in self.codec.fields}
+                self._tables = {n: np.zeros((nk,) + tuple(s), dtype=self._ram_dtype.get(n, d))
+                                for n, s, d in self.codec.fields}
             else:
                 self._loc_seg = np.full(nk, -1, dtype=np.int32)
                 self._loc_row = np.zeros(nk, dtype=np.int64)
@@ -100,12 +107,15 @@ class CacheReader:
         if self.in_ram:
             self._tables = {}
             for name, shape, dtype in self.codec.fields:
-                self._tables[name] = f[name][...].reshape((nk,) + tuple(shape))
+                d = f[name]
+                t = np.empty((nk,) + tuple(shape), dtype=self._ram_dtype.get(name, dtype))
+                d.read_direct(t.reshape(d.shape))  # converts while reading when widened
+                self._tables[name] = t
             f.close()
         else:
             self._file = f
         self._done[:] = True
-        self.complete = True
+        self._set_complete()
 
     def refresh(self):
         """Take in every row producers have committed since the last call. Cheap when nothing changed."""
@@ -115,7 +125,7 @@ class CacheReader:
             if not (self.in_ram and self._done.all()):
                 self._open_final()
             else:
-                self.complete = True
+                self._set_complete()
             return
         for p in list_segments(self.parts):
             if p not in self._segs:
@@ -149,26 +159,44 @@ class CacheReader:
                 s.closed = True
                 s.file.close()
         if self._done.all():
-            self.complete = True
+            self._set_complete()
+
+    def _set_complete(self):
+        self.complete = True
+        t = self._tables.get(schema.LOGITS) if self.in_ram else None
+        if t is not None and t.dtype == np.float32:
+            self._plain = t
 
     # -- keys ---------------------------------------------------------------------------------
     def flat_keys(self, indices, views=0):
+        """Flat keys (index * views + view), checked against the cache's shape."""
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
         n, nv = self.spec.num_samples, self.spec.views
-        if idx.size and (idx.min() < 0 or idx.max() >= n):
-            bad = idx[(idx < 0) | (idx >= n)][:5]
-            raise BadInputError(f"sample indices {bad.tolist()} out of range [0, {n}): this cache was built "
-                                f"for a data set of {n} samples; pass the matching --dataset or cache")
-        if np.isscalar(views) or np.ndim(views) == 0:
-            v = int(views)
-            if not 0 <= v < nv:
-                raise BadInputError(f"view {v} out of range [0, {nv}): the cache holds {nv} view(s)")
-            return idx * nv + v
-        v = np.asarray(views, dtype=np.int64).reshape(-1)
-        if v.size and (v.min() < 0 or v.max() >= nv):
-            raise BadInputError(f"views {v[(v < 0) | (v >= nv)][:5].tolist()} out of range [0, {nv}): "
-                                f"the cache holds {nv} view(s)")
-        return idx * nv + v
+        scalar_view = np.ndim(views) == 0
+        if scalar_view and nv == 1 and views == 0:
+            keys = idx  # the classic case: the key is the sample index
+        elif scalar_view:
+            if not 0 <= int(views) < nv:
+                raise BadInputError(f"view {int(views)} out of range [0, {nv}): the cache holds {nv} view(s)")
+            keys = idx * nv + int(views)
+        else:
+            v = np.asarray(views, dtype=np.int64).reshape(-1)
+            if v.size and (v.min() < 0 or v.max() >= nv):
+                raise BadInputError(f"views {v[(v < 0) | (v >= nv)][:5].tolist()} out of range [0, {nv}): "
+                                    f"the cache holds {nv} view(s)")
+            keys = idx * nv + v
+        # Negative indices would wrap around silently: check them here. Indices >= n make keys
+        # >= n * views, which the gather itself refuses (IndexError -> _index_error).
+        if idx.size and (idx.min() < 0 or not self.in_ram):
+            if idx.min() < 0 or idx.max() >= n:
+                raise self._index_error(idx)
+        return keys
+
+    def _index_error(self, idx):
+        n = self.spec.num_samples
+        bad = idx[(idx < 0) | (idx >= n)][:5]
+        return BadInputError(f"sample indices {bad.tolist()} out of range [0, {n}): this cache was built "
+                             f"for a data set of {n} samples; pass the matching --dataset or cache")
 
     @property
     def progress(self):
@@ -178,6 +206,8 @@ class CacheReader:
     def missing(self, indices, views=0):
         """Flat keys (index * views + view) among these that are not in the cache yet."""
         keys = self.flat_keys(indices, views)
+        if keys.size and keys.max() >= self.spec.num_keys:
+            raise self._index_error(np.asarray(indices, dtype=np.int64).reshape(-1))
         if self.complete:
             return keys[:0]
         self.refresh()
@@ -193,7 +223,25 @@ class CacheReader:
         Missing targets are waited for (wait=True) up to `timeout` seconds, or reported at once
         with MissingTargetsError(missing=flat keys) (wait=False).
         """
+        plain = self._plain
+        if plain is not None and self.spec.views == 1 and type(views) is int and views == 0:
+            # The hot path (complete cache, float32 logits in RAM, one view): one gather.
+            idx = np.asarray(indices, dtype=np.int64)
+            if idx.size and idx.min() < 0:
+                raise self._index_error(idx.reshape(-1))
+            try:
+                return plain[idx.reshape(-1)]
+            except IndexError:
+                raise self._index_error(idx.reshape(-1)) from None
         keys = self.flat_keys(indices, views)
+        try:
+            if plain is not None:
+                return plain[keys]
+            return self._get(keys, wait, timeout)
+        except IndexError:
+            raise self._index_error(np.asarray(indices, dtype=np.int64).reshape(-1)) from None
+
+    def _get(self, keys, wait, timeout):
         if not self.complete and not self._done[keys].all():
             self.refresh()
             if not self._done[keys].all():

@@ -361,7 +361,7 @@ class _Ring:
     def _claim(self):
         h, r, me = self.hdr, self.role, os.getpid()
         pid = int(h[r + "_pid"])
-        if pid and pid != me and int(h[r + "_state"]) == RUNNING and self._alive(r):
+        if pid and int(h[r + "_state"]) == RUNNING and self._alive(r):
             err = WriterBusyError if r == PRODUCER else StoreError
             raise err(f"ring {self.name} has a {r} already (pid {pid}): a ring takes one producer "
                       f"and one consumer; create another ring for another {r}")
@@ -589,9 +589,9 @@ class RingWriter:
         timeout = r.timeout if timeout is None else float(timeout)
         with self._lock:
             r.beat()
-            status = r.peer_status()
-            if status in ("left", "finished"):
-                self._consumer_gone(status, idx.size)
+            state = int(r.hdr["consumer_state"]) if int(r.hdr["consumer_pid"]) else RUNNING
+            if state != RUNNING:  # header flags only: a pid check per call costs a /proc read
+                self._consumer_gone("finished" if state == FINISHED else "left", idx.size)
             self._write_encoded(idx, ep, enc, timeout)
         return idx.size
 
@@ -605,8 +605,8 @@ class RingWriter:
             k = m if free.all() else int(np.argmin(free))  # free slots from the head on
             if k:
                 sl, src = slots[:k], slice(done, done + k)
-                for name, arr in r.fields.items():
-                    arr[sl] = enc[name][src]        # the one copy into shared memory
+                for name in r.fields:  # no loop variable holding a view: close() must unmap
+                    r.fields[name][sl] = enc[name][src]  # the one copy into shared memory
                 r.keys[sl, 0] = idx[src]
                 r.keys[sl, 1] = ep[src]
                 r.state[sl] = READY                 # last: publishes the rows

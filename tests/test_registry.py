@@ -107,7 +107,8 @@ def test_gc_dry_run_then_remove_incomplete_and_unused(populated):
     assert os.path.exists(fin)
     old = time.time() - 10 * 86400
     os.utime(fin, (old, old))
-    assert os.path.exists(fin) and cli("gc", "--cache-dir", d, "--older-than", "30").stdout.startswith("nothing")
+    r = cli("gc", "--cache-dir", d, "--older-than", "30", "--json")
+    assert os.path.exists(fin) and json.loads(r.stdout)["caches"] == []
     cli("gc", "--cache-dir", d, "--older-than", "5")
     assert not os.path.exists(fin)
 
@@ -117,8 +118,8 @@ def test_gc_keeps_a_cache_a_producer_is_writing(cache_dir):
     w = CacheWriter(path_for(cache_dir, spec.fingerprint), spec)
     w.write([0], expected_logits([0], 10))
     try:
-        r = cli("gc", "--cache-dir", cache_dir, "--min-age", "0")
-        assert "nothing to remove" in r.stdout
+        r = cli("gc", "--cache-dir", cache_dir, "--min-age", "0", "--json")
+        assert json.loads(r.stdout)["caches"] == []
         assert os.path.isdir(parts_path(path_for(cache_dir, spec.fingerprint)))
     finally:
         w.abort()

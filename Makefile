@@ -5,14 +5,33 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 # Options passed through to the tools (empty = the tool's default).
-CACHE_DIR ?=
+DATASET    ?= digits
+DATA_ROOT  ?=
+TEACHER    ?= teachers/digits
+CACHE_DIR  ?=
+VIEWS      ?= 1
+CODEC      ?= full
+SEED       ?= 0
+EPOCHS     ?= 10
+BATCH_SIZE ?= 64
+THREADS    ?=
+SHARDS     ?= 1
 PYTEST_ARGS ?=
 QUICK ?=
+DEFAULT_TEACHER := teachers/digits
+
+# The options both sides share: the producer and the trainer derive the same schedule from them.
+SHARED_OPTS = --dataset $(DATASET) $(if $(DATA_ROOT),--data-root $(DATA_ROOT)) \
+	$(if $(CACHE_DIR),--cache-dir $(CACHE_DIR)) --views $(VIEWS) --codec $(CODEC) --seed $(SEED) \
+	--batch-size $(BATCH_SIZE)
+PRODUCER_OPTS = --teacher $(TEACHER) $(SHARED_OPTS) $(if $(THREADS),--threads $(THREADS))
+# The default teacher is built when a target needs it and it is missing.
+TEACHER_DEP = $(if $(filter $(DEFAULT_TEACHER),$(TEACHER)),$(DEFAULT_TEACHER)-symbol.json)
 
 export PYTHONPATH := $(CURDIR)
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: help setup test test-fast bench-store caches clean
+.PHONY: help setup test test-fast bench-store caches teacher cache cache-online clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s "$$(printf '\t')"
@@ -33,6 +52,23 @@ test-fast: setup  ## run the tests not marked slow
 
 bench-store: setup  ## store micro-benchmarks: gather, write order, codec sizes (QUICK=1 for a short run)
 	$(PY) -m bench.store $(if $(QUICK),--quick)
+
+teacher: setup $(DEFAULT_TEACHER)-symbol.json  ## train and export the default digits teacher (teachers/digits-*) if missing
+
+$(DEFAULT_TEACHER)-symbol.json: | $(STAMP)
+	$(PY) -m trainer.make_teacher --dataset digits --out $(DEFAULT_TEACHER)
+
+cache: setup $(TEACHER_DEP)  ## fill a cache offline: every (sample, view) of DATASET with TEACHER
+	$(PY) -m cache_builder $(PRODUCER_OPTS)
+
+cache-online: setup $(TEACHER_DEP)  ## producer following the training schedule (EPOCHS, SEED, BATCH_SIZE; SHARDS=n processes)
+	@if [ "$(SHARDS)" = "1" ]; then \
+	  $(PY) -m cache_builder --online --epochs $(EPOCHS) $(PRODUCER_OPTS); \
+	else \
+	  pids=""; for i in $$(seq 0 $$(($(SHARDS) - 1))); do \
+	    $(PY) -m cache_builder --online --epochs $(EPOCHS) --threads 1 --quiet --shard $$i/$(SHARDS) $(PRODUCER_OPTS) & pids="$$pids $$!"; \
+	  done; rc=0; for p in $$pids; do wait $$p || rc=$$?; done; exit $$rc; \
+	fi
 
 caches: setup  ## list the caches in the cache directory (CACHE_DIR=...)
 	$(PY) -m store ls $(if $(CACHE_DIR),--cache-dir $(CACHE_DIR))

@@ -57,6 +57,42 @@ def touch_used(path):
         pass  # read-only caches are still usable
 
 
+def write_position(path, position, *, epoch=None, step=None, run=None):
+    """A trainer reports how far it has read (a step count of the shared schedule) so producers
+    can show their lead. One small JSON file per trainer process, replaced atomically."""
+    from .segment import write_json_atomic
+    parts = parts_path(path)
+    if not os.path.isdir(parts):
+        return
+    try:
+        write_json_atomic(os.path.join(parts, f"trainer-{os.getpid()}.json"),
+                          {"position": int(position), "epoch": epoch, "step": step, "run": run,
+                           "pid": os.getpid(), "time": time.time()})
+    except OSError:
+        pass  # progress display only
+
+
+def read_positions(path, max_age_s=30.0):
+    """Positions reported by trainers in the last max_age_s seconds."""
+    import json
+    parts = parts_path(path)
+    out = []
+    try:
+        names = [n for n in os.listdir(parts) if n.startswith("trainer-") and n.endswith(".json")]
+    except OSError:
+        return out
+    now = time.time()
+    for n in names:
+        try:
+            with open(os.path.join(parts, n), encoding="utf-8") as fh:
+                p = json.load(fh)
+            if now - float(p.get("time", 0)) <= max_age_s:
+                out.append(p)
+        except (OSError, ValueError):
+            continue
+    return out
+
+
 def _restore_atime(path, st):
     try:
         os.utime(path, (st.st_atime, st.st_mtime))

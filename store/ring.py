@@ -329,7 +329,7 @@ class _Ring:
             raise StoreError(f"ring {self.name} holds {self.num_classes} classes, you passed "
                              f"num_classes={num_classes}: pass the same number on both sides, or "
                              f"leave it out (None) to take the ring's")
-        if dtype is not None and np.dtype(dtype).name != self.dtype:
+        if dtype is not None and _dtype_name(dtype) != self.dtype:
             raise StoreError(f"ring {self.name} stores dtype {self.dtype}, you passed dtype={dtype}: "
                              f"pass the same dtype on both sides, or leave it out (None)")
         self.codec = make_codec(spec, self.num_classes, self.dtype)
@@ -473,6 +473,13 @@ class _Ring:
             if self.creator:
                 self._seg.unlink()
             self._seg = None
+
+
+def _dtype_name(dtype):
+    try:
+        return np.dtype(dtype).name
+    except TypeError:
+        return str(dtype)
 
 
 def _hash(k):

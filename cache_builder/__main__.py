@@ -1,0 +1,179 @@
+"""python -m cache_builder: run a frozen teacher on the CPU and fill the soft-target cache."""
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+
+DESCRIPTION = """\
+Run a frozen MXNet teacher forward on the CPU over a data set and store its raw logits
+(temperature 1) in a cache named by the fingerprint of the teacher, the data, the views and the
+codec. A complete cache with the same fingerprint is reused: the teacher then runs zero times.
+Offline (default) fills every (sample, view); --online follows the training schedule (the same
+--seed/--epochs/--batch-size/--views as the trainer) so targets arrive in the order training
+reads them. Interrupted runs (Ctrl-C, kill -9) resume where they stopped."""
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m cache_builder", description=DESCRIPTION,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("teacher")
+    g.add_argument("--teacher", required=True, metavar="PREFIX[:EPOCH]",
+                   help="MXNet checkpoint: PREFIX-symbol.json + PREFIX-NNNN.params (latest epoch if none)")
+    g.add_argument("--teacher-input", metavar="NAME", help="the teacher's image input (found when there is one)")
+    g.add_argument("--teacher-mean", metavar="M[,M,M]", help="per-channel mean subtracted from [0,1] images")
+    g.add_argument("--teacher-std", metavar="S[,S,S]", help="per-channel std the images are divided by")
+    g.add_argument("--teacher-size", metavar="HxW", help="resize images to this size for the teacher")
+    g = p.add_argument_group("data")
+    g.add_argument("--dataset", default="digits",
+                   help="digits (default, embedded) | synthetic[:n=..,classes=..,shape=CxHxW,seed=..] | mnist | "
+                        "fashion-mnist | cifar10 | cifar100 | npz | recordio | imagefolder")
+    g.add_argument("--data-root", metavar="PATH", help="local files of the data set (nothing is downloaded)")
+    g.add_argument("--split", default="train", choices=["train", "test"])
+    g.add_argument("--image-size", metavar="HxW", help="resize decoded images (recordio, imagefolder)")
+    g.add_argument("--num-classes", type=int, help="class count when the files do not say (npz, recordio)")
+    g.add_argument("--views", type=int, default=1, help="augmented views per sample; epoch e uses view e mod V (default 1)")
+    g.add_argument("--augment", default="auto",
+                   help="none | crop:PAD | flip | crop:PAD,flip; auto = none for 1 view, else the data set's usual")
+    g.add_argument("--seed", type=int, default=0, help="seed of the schedule and of the augmentation (default 0)")
+    g = p.add_argument_group("cache")
+    g.add_argument("--cache-dir", help="cache directory (default: $KDCACHE_DIR, else ./caches)")
+    g.add_argument("--cache", metavar="PATH", help="explicit cache path instead of <cache-dir>/<fingerprint>")
+    g.add_argument("--codec", default="full", help="full (raw logits) | topk:K (default full)")
+    g.add_argument("--dtype", default="float16", choices=["float16", "float32"], help="storage type (default float16)")
+    g = p.add_argument_group("producing")
+    g.add_argument("--online", action="store_true", help="follow the training schedule instead of key order")
+    g.add_argument("--epochs", type=int, default=1, help="epochs of the schedule to follow with --online (default 1)")
+    g.add_argument("--batch-size", type=int, default=128, help="teacher batch = training batch (default 128)")
+    g.add_argument("--threads", type=int, help="teacher compute threads (default: all cores but one, left to the trainer)")
+    g.add_argument("--shard", default="0/1", metavar="i/n", help="fill only keys with key mod n = i (n producers)")
+    p.add_argument("--json", action="store_true", help="end with one JSON line: cache_path, fingerprint, rows_written, ...")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p.parse_args(argv)
+
+
+def _floats(s, what):
+    if s is None:
+        return None
+    try:
+        return [float(v) for v in str(s).split(",")]
+    except ValueError:
+        raise ValueError(f"{what} {s!r}: use numbers separated by commas, e.g. 0.485,0.456,0.406") from None
+
+
+def _hw(s, what):
+    if not s:
+        return None
+    try:
+        h, w = (int(v) for v in s.lower().split("x"))
+        return h, w
+    except ValueError:
+        raise ValueError(f"{what} {s!r}: use HxW, e.g. 224x224") from None
+
+
+def _shard(s):
+    try:
+        i, n = (int(v) for v in s.split("/"))
+    except ValueError:
+        raise ValueError(f"--shard {s!r}: use i/n, e.g. 0/2") from None
+    return i, n
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    # Threads must be fixed before MXNet is imported: only OMP_NUM_THREADS limits its compute.
+    from cache_builder.produce import default_threads
+    default, cores = default_threads()
+    threads = args.threads or int(os.environ.get("KDCACHE_TEACHER_THREADS", 0)) or default
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    os.environ.setdefault("MXNET_SUBGRAPH_VERBOSE", "0")
+    logging.basicConfig(level=logging.INFO, format="[producer %(asctime)s] %(message)s", datefmt="%H:%M:%S")
+    log = logging.getLogger("kdcache.producer")
+    log.info("teacher uses %d thread(s) of %d core(s); %d left to the trainer (OMP_NUM_THREADS=%d)",
+             threads, cores, max(0, cores - threads), threads)
+    from store import StoreError
+    from pipeline.datasets import DatasetError
+    from pipeline.cachespec import TeacherError
+    writer = None
+    try:
+        return run(args, log)
+    except (StoreError, DatasetError, TeacherError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: every row written so far is kept; run the same command again to resume",
+              file=sys.stderr)
+        return 130
+
+
+def run(args, log):
+    from cache_builder.produce import CacheSink, produce_offline, produce_online
+    from cache_builder.teacher import Teacher
+    from pipeline.cachespec import build_spec, parse_teacher_arg, resolve_augment, teacher_identity
+    from pipeline.datasets import load_dataset
+    from store import CacheWriter, path_for
+
+    if args.batch_size < 1 or args.views < 1 or args.epochs < 1:
+        raise ValueError("--batch-size, --views and --epochs must be at least 1")
+    shard = _shard(args.shard)
+    prefix, epoch = parse_teacher_arg(args.teacher)
+    mean, std = _floats(args.teacher_mean, "--teacher-mean"), _floats(args.teacher_std, "--teacher-std")
+    size = _hw(args.teacher_size, "--teacher-size")
+    t0 = time.perf_counter()
+    dataset = load_dataset(args.dataset, data_root=args.data_root, split=args.split,
+                           image_size=args.image_size, num_classes=args.num_classes)
+    augment = resolve_augment(args.augment, dataset.name, args.views)
+    tid = teacher_identity(prefix, epoch, input_name=args.teacher_input, mean=mean, std=std, size=size)
+    spec = build_spec(tid, dataset, views=args.views, augment=augment, seed=args.seed, codec=args.codec,
+                      dtype=args.dtype)
+    path = args.cache or path_for(args.cache_dir, spec.fingerprint)
+    log.info("data set %s/%s: %d samples, %d classes; %d view(s), augment %s; codec %s/%s",
+             dataset.name, dataset.split, len(dataset), dataset.num_classes, spec.views, augment.spec,
+             spec.codec, spec.dtype)
+    result = {"cache_path": path + ".h5", "fingerprint": spec.fingerprint, "rows_written": 0,
+              "teacher_forwards": 0, "reused": False, "complete": False, "shard": args.shard}
+    writer = CacheWriter(path, spec, shard=shard)
+    try:
+        if writer.complete or writer.remaining == 0:
+            log.info("cache %s is already %s for this shard: reused, the teacher ran 0 times",
+                     spec.fingerprint, "complete" if writer.complete else "filled")
+            result["reused"] = True
+        else:
+            log.info("cache %s: %d of %d rows to compute (shard %s)", spec.fingerprint, writer.remaining,
+                     spec.num_keys, args.shard)
+            teacher = Teacher(prefix, epoch, input_name=args.teacher_input, mean=mean, std=std, size=size,
+                              batch_size=args.batch_size)
+            x, _ = dataset.get_batch([0, min(1, len(dataset) - 1)])
+            classes = teacher.forward(x).shape[1]
+            teacher.forwards = 0
+            if classes != dataset.num_classes:
+                from pipeline.cachespec import TeacherError
+                raise TeacherError(f"the teacher predicts {classes} classes, data set {dataset.name} has "
+                                   f"{dataset.num_classes}: pass the teacher trained for this data set "
+                                   f"(or --num-classes)")
+            if args.online:
+                stats = produce_online(teacher, dataset, CacheSink(writer), seed=args.seed, augment=augment,
+                                       batch_size=args.batch_size, epochs=args.epochs, progress=not args.quiet)
+            else:
+                stats = produce_offline(teacher, dataset, writer, seed=args.seed, augment=augment,
+                                        batch_size=args.batch_size, progress=not args.quiet)
+            result.update(rows_written=stats.rows_written, teacher_forwards=teacher.forwards,
+                          rows_per_s=round(stats.rows_per_s, 1), teacher_s=round(stats.teacher_seconds, 3))
+    except BaseException:
+        writer.abort()  # committed rows stay; nothing half-written is ever marked done
+        raise
+    complete = writer.close()
+    result.update(complete=bool(complete), seconds=round(time.perf_counter() - t0, 3),
+                  cache_path=path + ".h5" if complete else path + ".parts")
+    log.info("%s: %s (fingerprint %s); %d rows written, teacher ran on %d samples",
+             "complete" if complete else "in progress", result["cache_path"], spec.fingerprint,
+             result["rows_written"], result["teacher_forwards"])
+    print(result["cache_path"])
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

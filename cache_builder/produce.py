@@ -1,0 +1,145 @@
+"""Producing: run the teacher over (sample, view) keys and stream the logits into the store.
+
+Offline fills every key of the cache in key order. Online follows the training schedule, so
+keys are written in the order the trainer will read them, as far ahead as the store allows.
+"""
+import dataclasses
+import logging
+import os
+import time
+
+import numpy as np
+from tqdm import tqdm
+
+from pipeline.augment import make_views
+from pipeline.schedule import schedule, steps_per_epoch
+from store import registry
+
+log = logging.getLogger("kdcache.producer")
+
+
+@dataclasses.dataclass
+class Stats:
+    rows_written: int = 0
+    teacher_forwards: int = 0
+    seconds: float = 0.0
+    teacher_seconds: float = 0.0
+
+    @property
+    def rows_per_s(self):
+        return self.rows_written / self.seconds if self.seconds else 0.0
+
+
+def teacher_rows(teacher, dataset, indices, views, *, seed, augment):
+    """Logits [B, C] of keys (indices, views): the same inputs the student will see."""
+    x, _ = make_views(dataset, indices, views, seed=seed, augment=augment)
+    return teacher.forward(x)
+
+
+def produce_offline(teacher, dataset, writer, *, seed, augment, batch_size, progress=True):
+    """Fill every key this writer owes, in key order."""
+    spec = writer.spec
+    todo = writer.missing()
+    stats = Stats()
+    t0 = time.perf_counter()
+    bar = tqdm(total=spec.num_keys, initial=spec.num_keys - todo.size, unit="row", desc="teacher",
+               disable=not progress, dynamic_ncols=True, smoothing=0.1)
+    try:
+        for a in range(0, todo.size, batch_size):
+            keys = todo[a:a + batch_size]
+            idx, views = keys // spec.views, keys % spec.views
+            t1 = time.perf_counter()
+            logits = teacher_rows(teacher, dataset, idx, views, seed=seed, augment=augment)
+            stats.teacher_seconds += time.perf_counter() - t1
+            stats.teacher_forwards += keys.size
+            stats.rows_written += writer.write(idx, logits, views=views)
+            bar.update(keys.size)
+    finally:
+        bar.close()
+        stats.seconds = time.perf_counter() - t0
+    return stats
+
+
+class CacheSink:
+    """Online target: the persistent cache, keyed (sample, view); cached keys are skipped."""
+
+    def __init__(self, writer):
+        self.writer, self.spec, self.base = writer, writer.spec, writer.base
+
+    def need(self, indices, view, epoch):
+        return ~self.writer.is_done(indices * self.spec.views + view)
+
+    def write(self, indices, logits, view, epoch):
+        return self.writer.write(indices, logits, views=view)
+
+    @property
+    def finished(self):
+        return self.writer.remaining == 0
+
+
+class RingSink:
+    """Online target: the shared-memory ring, keyed (sample, epoch); every step is streamed."""
+
+    def __init__(self, ring, spec):
+        self.ring, self.spec, self.base = ring, spec, None
+
+    def need(self, indices, view, epoch):
+        return np.ones(len(indices), dtype=bool)
+
+    def write(self, indices, logits, view, epoch):
+        self.ring.write(indices, np.full(len(indices), epoch, dtype=np.int64), logits)
+        return len(indices)
+
+    finished = False
+
+
+def produce_online(teacher, dataset, sink, *, seed, augment, batch_size, epochs, start_epoch=0,
+                   progress=True, report_every_s=0.5):
+    """Follow the training schedule: each step's keys, skipping those already cached.
+
+    With a persistent cache the producer runs as far ahead as it can; with the ring buffer the
+    writer blocks when the ring is full (back-pressure). The trainer's position, when it
+    reports one, is shown as the producer's lead in steps.
+    """
+    spec = sink.spec
+    n = spec.num_samples
+    total = (epochs - start_epoch) * steps_per_epoch(n, batch_size)
+    stats = Stats()
+    t0 = time.perf_counter()
+    next_report = 0.0
+    bar = tqdm(total=total, unit="step", desc="teacher (online)", disable=not progress, dynamic_ncols=True)
+    try:
+        for st in schedule(seed, epochs, n, batch_size, spec.views, start_epoch):
+            need = sink.need(st.indices, st.view, st.epoch)
+            if need.any():
+                idx = st.indices[need]
+                t1 = time.perf_counter()
+                logits = teacher_rows(teacher, dataset, idx, st.view, seed=seed, augment=augment)
+                stats.teacher_seconds += time.perf_counter() - t1
+                stats.teacher_forwards += idx.size
+                stats.rows_written += sink.write(idx, logits, st.view, st.epoch)
+            bar.update(1)
+            now = time.perf_counter()
+            if now >= next_report and sink.base is not None:
+                next_report = now + report_every_s
+                pos = trainer_position(sink.base)
+                if pos is not None:
+                    bar.set_postfix(lead=f"{st.position - pos:+d} steps", refresh=False)
+            if sink.finished:
+                break  # every key is cached: later epochs would only re-read it
+    finally:
+        bar.close()
+        stats.seconds = time.perf_counter() - t0
+    return stats
+
+
+def trainer_position(base):
+    """The furthest step a trainer on this cache has reported, or None."""
+    pos = registry.read_positions(base)
+    return max(p["position"] for p in pos) if pos else None
+
+
+def default_threads():
+    """Teacher threads when none are given: all cores but one, which is left to the trainer."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores - 1), cores

@@ -1,0 +1,96 @@
+"""python -m trainer.make_teacher: train a teacher on a data set and export it as MXNet checkpoint files.
+
+`make teacher` uses it to build the default digits teacher (teachers/digits-symbol.json and
+teachers/digits-0000.params) that every target needing a teacher falls back on.
+"""
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+
+
+def train_teacher(dataset, test, *, arch="digits_teacher", epochs=40, batch_size=64, lr=2e-3, seed=0,
+                  progress=True):
+    import mxnet as mx
+    import numpy as np
+    from mxnet import autograd, gluon
+    from tqdm import tqdm
+
+    from trainer.models import get_model
+    mx.random.seed(seed)
+    np.random.seed(seed)
+    net = get_model(arch, dataset.num_classes, prefix="teacher_")
+    net.initialize(mx.init.Xavier(), ctx=mx.cpu())
+    net.hybridize(static_alloc=True)
+    trainer = gluon.Trainer(net.collect_params(), "adam", {"learning_rate": lr, "wd": 1e-4})
+    loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+    rng = np.random.default_rng(seed)
+    n = len(dataset)
+    for epoch in tqdm(range(epochs), desc="teacher training", unit="epoch", disable=not progress):
+        perm = rng.permutation(n)
+        for a in range(0, n, batch_size):
+            x, y = dataset.get_batch(perm[a:a + batch_size])
+            # light shift augmentation: the teacher generalises better than the students
+            shift = rng.integers(-1, 2, size=2)
+            x = np.roll(x, tuple(shift), axis=(2, 3))
+            with autograd.record():
+                loss = loss_fn(net(mx.nd.array(x)), mx.nd.array(y))
+            loss.backward()
+            trainer.step(x.shape[0])
+    return net, accuracy(net, test)
+
+
+def accuracy(net, dataset, batch_size=256):
+    import mxnet as mx
+    import numpy as np
+    correct = 0
+    for a in range(0, len(dataset), batch_size):
+        x, y = dataset.get_batch(np.arange(a, min(len(dataset), a + batch_size)))
+        correct += int((net(mx.nd.array(x)).asnumpy().argmax(axis=1) == y).sum())
+    return correct / len(dataset)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m trainer.make_teacher", description=__doc__.split("\n\n")[0])
+    p.add_argument("--dataset", default="digits", help="data set to train on (default digits)")
+    p.add_argument("--data-root", help="local files of the data set")
+    p.add_argument("--arch", default="digits_teacher", help="network (default digits_teacher)")
+    p.add_argument("--out", default="teachers/digits", help="checkpoint prefix (default teachers/digits)")
+    p.add_argument("--epochs", type=int, default=40)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help="compute threads (default: all cores)")
+    p.add_argument("--quiet", action="store_true")
+    args = p.parse_args(argv)
+    if args.threads:
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    os.environ.setdefault("MXNET_SUBGRAPH_VERBOSE", "0")
+    logging.basicConfig(level=logging.INFO, format="[teacher %(asctime)s] %(message)s", datefmt="%H:%M:%S")
+    from pipeline.datasets import DatasetError, load_dataset
+    try:
+        train = load_dataset(args.dataset, data_root=args.data_root, split="train")
+        test = load_dataset(args.dataset, data_root=args.data_root, split="test")
+    except DatasetError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    net, acc = train_teacher(train, test, arch=args.arch, epochs=args.epochs, seed=args.seed,
+                             progress=not args.quiet)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    # Export under a temporary prefix, then rename: a half-written teacher is never picked up.
+    tmp = f"{args.out}.tmp{os.getpid()}"
+    net.export(tmp, epoch=0)
+    os.replace(f"{tmp}-0000.params", f"{args.out}-0000.params")
+    os.replace(f"{tmp}-symbol.json", f"{args.out}-symbol.json")
+    info = {"dataset": args.dataset, "arch": args.arch, "epochs": args.epochs, "seed": args.seed,
+            "test_acc": acc, "seconds": round(time.perf_counter() - t0, 1)}
+    with open(f"{args.out}-info.json", "w") as fh:
+        json.dump(info, fh, indent=1)
+    logging.info("teacher %s: test accuracy %.4f on %s (%d samples), exported to %s-symbol.json / -0000.params",
+                 args.arch, acc, args.dataset, len(test), args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -48,6 +48,10 @@ def parse_args(argv=None):
     g.add_argument("--batch-size", type=int, default=128, help="teacher batch = training batch (default 128)")
     g.add_argument("--threads", type=int, help="teacher compute threads (default: all cores but one, left to the trainer)")
     g.add_argument("--shard", default="0/1", metavar="i/n", help="fill only keys with key mod n = i (n producers)")
+    g.add_argument("--ring", metavar="NAME", help="stream to the shared-memory ring NAME instead of a cache file "
+                   "(pure streaming: keys are (sample, epoch), nothing is persisted; implies --online)")
+    g.add_argument("--ring-capacity", type=int, metavar="ROWS",
+                   help="create the ring with this many rows (default: attach to the ring the trainer made)")
     p.add_argument("--json", action="store_true", help="end with one JSON line: cache_path, fingerprint, rows_written, ...")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p.parse_args(argv)
@@ -133,6 +137,8 @@ def run(args, log):
              spec.codec, spec.dtype)
     result = {"cache_path": path + ".h5", "fingerprint": spec.fingerprint, "rows_written": 0,
               "teacher_forwards": 0, "reused": False, "complete": False, "shard": args.shard}
+    if args.ring:
+        return run_ring(args, log, prefix, epoch, mean, std, size, dataset, augment, spec, result)
     writer = CacheWriter(path, spec, shard=shard)
     try:
         if writer.complete or writer.remaining == 0:
@@ -144,14 +150,7 @@ def run(args, log):
                      spec.num_keys, args.shard)
             teacher = Teacher(prefix, epoch, input_name=args.teacher_input, mean=mean, std=std, size=size,
                               batch_size=args.batch_size)
-            x, _ = dataset.get_batch([0, min(1, len(dataset) - 1)])
-            classes = teacher.forward(x).shape[1]
-            teacher.forwards = 0
-            if classes != dataset.num_classes:
-                from pipeline.cachespec import TeacherError
-                raise TeacherError(f"the teacher predicts {classes} classes, data set {dataset.name} has "
-                                   f"{dataset.num_classes}: pass the teacher trained for this data set "
-                                   f"(or --num-classes)")
+            check_classes(teacher, dataset)
             if args.online:
                 stats = produce_online(teacher, dataset, CacheSink(writer), seed=args.seed, augment=augment,
                                        batch_size=args.batch_size, epochs=args.epochs, progress=not args.quiet)
@@ -170,6 +169,46 @@ def run(args, log):
              "complete" if complete else "in progress", result["cache_path"], spec.fingerprint,
              result["rows_written"], result["teacher_forwards"])
     print(result["cache_path"])
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+def check_classes(teacher, dataset):
+    """Run two samples through the teacher: its output must be [batch, classes of the data set]."""
+    from pipeline.cachespec import TeacherError
+    x, _ = dataset.get_batch([0, min(1, len(dataset) - 1)])
+    classes = teacher.forward(x).shape[1]
+    teacher.forwards = 0
+    if classes != dataset.num_classes:
+        raise TeacherError(f"the teacher predicts {classes} classes, data set {dataset.name} has "
+                           f"{dataset.num_classes}: pass the teacher trained for this data set (or --num-classes)")
+
+
+def run_ring(args, log, prefix, epoch, mean, std, size, dataset, augment, spec, result):
+    """Stream the schedule's targets into a shared-memory ring (the trainer reads and frees them)."""
+    from cache_builder.produce import RingSink, produce_online
+    from cache_builder.teacher import Teacher
+    from store.ring import RingWriter
+    create = args.ring_capacity is not None
+    ring = RingWriter(args.ring, create=create, capacity=args.ring_capacity, num_classes=spec.num_classes,
+                      codec=spec.codec, dtype=spec.dtype, timeout=float(os.environ.get("KDCACHE_RING_TIMEOUT", 600)))
+    log.info("%s ring %s (%d rows): streaming %d epoch(s) of the schedule", "created" if create else "attached to",
+             ring.name, ring.capacity, args.epochs)
+    ok = False
+    try:
+        teacher = Teacher(prefix, epoch, input_name=args.teacher_input, mean=mean, std=std, size=size,
+                          batch_size=args.batch_size)
+        check_classes(teacher, dataset)
+        stats = produce_online(teacher, dataset, RingSink(ring, spec), seed=args.seed, augment=augment,
+                               batch_size=args.batch_size, epochs=args.epochs, progress=not args.quiet)
+        ok = True
+    finally:
+        ring.close(finished=ok)
+    result.update(cache_path=None, ring=ring.name, rows_written=stats.rows_written, teacher_forwards=teacher.forwards,
+                  rows_per_s=round(stats.rows_per_s, 1), complete=True)
+    log.info("ring %s: streamed %d rows", ring.name, stats.rows_written)
+    print(ring.name)
     if args.json:
         print(json.dumps(result))
     return 0

@@ -39,14 +39,22 @@ def teacher_rows(teacher, dataset, indices, views, *, seed, augment):
 def produce_offline(teacher, dataset, writer, *, seed, augment, batch_size, progress=True):
     """Fill every key this writer owes, in key order."""
     spec = writer.spec
-    todo = writer.missing()
+    # Batches are fixed blocks of this shard's keys, whatever is already done: a batch is
+    # committed whole, so a resumed run feeds the teacher exactly the batches an uninterrupted
+    # run would, and the cache comes out bitwise the same (MKL-DNN's results can differ in the
+    # last bit with the batch's composition).
+    owned = np.arange(writer.shard, spec.num_keys, writer.nshards, dtype=np.int64)
+    todo_n = writer.remaining
     stats = Stats()
     t0 = time.perf_counter()
-    bar = tqdm(total=spec.num_keys, initial=spec.num_keys - todo.size, unit="row", desc="teacher",
+    bar = tqdm(total=owned.size, initial=owned.size - todo_n, unit="row", desc="teacher",
                disable=not progress, dynamic_ncols=True, smoothing=0.1)
     try:
-        for a in range(0, todo.size, batch_size):
-            keys = todo[a:a + batch_size]
+        for a in range(0, owned.size, batch_size):
+            keys = owned[a:a + batch_size]
+            keys = keys[~writer.is_done(keys)]
+            if keys.size == 0:
+                continue
             idx, views = keys // spec.views, keys % spec.views
             t1 = time.perf_counter()
             logits = teacher_rows(teacher, dataset, idx, views, seed=seed, augment=augment)

@@ -145,5 +145,11 @@ def _logits_output(sym):
 
 
 def _first_line(e):
-    s = str(e).strip().splitlines()
-    return s[0][:200] if s else type(e).__name__
+    """The informative line of an exception (MXNet's messages start with a C++ stack trace)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    lines = [ln for ln in lines if not ln.startswith(("Traceback", "File ", "[bt]", "Stack trace"))
+             and not ln[:1].isdigit()]
+    for ln in reversed(lines):
+        if "Error" in ln or "Check failed" in ln or "error" in ln:
+            return ln[:200]
+    return lines[-1][:200] if lines else type(e).__name__

@@ -20,6 +20,7 @@ from .errors import (BadInputError, FingerprintMismatchError, StoreError, Unsupp
                      WriterBusyError)
 from .segment import (HOST, committed_rows, create_segment, list_segments, open_final, open_swmr,
                       read_manifest, read_meta, read_segment_rows, write_json_atomic)
+from .fingerprint import is_fingerprint
 from .registry import base_path, final_path, parts_path
 
 
@@ -87,6 +88,11 @@ class CacheWriter:
         self.complete = False
         self.segment_path = None
 
+        name = os.path.basename(self.base)
+        if is_fingerprint(name) and len(name) == len(spec.fingerprint) and name != spec.fingerprint:
+            raise FingerprintMismatchError(
+                f"cache path {self.base} is named for fingerprint {name}, these inputs give {spec.fingerprint}: "
+                f"leave the path to the cache directory (<dir>/<fingerprint>) or pass the matching inputs")
         if os.path.exists(self.final):
             check_final_matches(self.final, spec)
             self.complete = True

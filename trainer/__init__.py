@@ -1,1 +1,11 @@
-"""kdcache trainer: the student trained on cached soft targets."""
+"""kdcache trainer: the student trained on cached soft targets.
+
+MXNet is imported lazily (PEP 562): `python -m trainer` must fix OMP_NUM_THREADS first.
+"""
+
+
+def __getattr__(name):
+    if name in ("SoftTargetIter", "kd_symbol"):
+        from . import dataiter
+        return getattr(dataiter, name)
+    raise AttributeError(f"module 'trainer' has no attribute {name!r}")

@@ -1,0 +1,436 @@
+"""The training loop, read top to bottom: options -> data -> targets -> student -> epochs -> report."""
+import json
+import logging
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import mxnet as mx
+import numpy as np
+from mxnet import autograd, gluon
+from tqdm import tqdm
+
+from pipeline.augment import make_views
+from pipeline.cachespec import build_spec, parse_teacher_arg, resolve_augment, teacher_identity
+from pipeline.datasets import load_dataset
+from pipeline.schedule import schedule, steps_per_epoch
+from store import CacheReader, ProducerGoneError, path_for, registry
+from store.registry import final_path
+from trainer.loss import KDLoss
+from trainer.models import get_model
+
+log = logging.getLogger("kdcache.trainer")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class TrainError(Exception):
+    """A run cannot go on; the message names the cause and the fix."""
+
+
+# --- small helpers ---------------------------------------------------------------------------
+def resolve_ctx(arg):
+    if arg == "auto":
+        return [mx.gpu(0)] if mx.context.num_gpus() > 0 else [mx.cpu()]
+    if arg == "cpu":
+        return [mx.cpu()]
+    if arg.startswith("gpu"):
+        ids = arg.split(":", 1)[1] if ":" in arg else "0"
+        n = mx.context.num_gpus()
+        ctx = [mx.gpu(int(i)) for i in ids.split(",")]
+        if any(c.device_id >= n for c in ctx):
+            raise TrainError(f"--ctx {arg}: MXNet sees {n} GPU(s); install a CUDA build of MXNet "
+                             f"(pip install mxnet-cu112==1.9.1 numpy==1.23.5) or use --ctx cpu")
+        return ctx
+    raise TrainError(f"--ctx {arg!r}: use auto, cpu or gpu:0[,1,...]")
+
+
+def floats(s):
+    return None if s is None else [float(v) for v in str(s).split(",")]
+
+
+def hw(s):
+    return None if not s else tuple(int(v) for v in s.lower().split("x"))
+
+
+def teacher_prefix(args):
+    if args.teacher:
+        return parse_teacher_arg(args.teacher)
+    if args.dataset == "digits":
+        prefix = os.path.join(ROOT, "teachers", "digits")
+        if not os.path.exists(prefix + "-symbol.json"):
+            raise TrainError(f"the default digits teacher {prefix}-symbol.json is missing: run `make teacher` "
+                             f"(or pass --teacher PREFIX)")
+        return prefix, None
+    raise TrainError(f"--teacher-mode {args.teacher_mode} needs --teacher PREFIX[:EPOCH] for data set {args.dataset}")
+
+
+def producer_command(args, prefix, epoch, spec_path, *, split="train", online=True, threads=1, ring=None):
+    """The public entry point of the producer, with the options that make the same cache."""
+    cmd = [sys.executable, "-m", "cache_builder", "--quiet", "--json",
+           "--teacher", f"{prefix}:{epoch}" if epoch is not None else prefix,
+           "--dataset", args.dataset, "--split", split, "--views", str(args.views if split == "train" else 1),
+           "--augment", args.augment if split == "train" else "none", "--seed", str(args.seed),
+           "--codec", args.codec if split == "train" else "full",
+           "--dtype", args.dtype if split == "train" else "float32", "--batch-size", str(args.batch_size),
+           "--threads", str(threads)]
+    for opt, val in (("--data-root", args.data_root), ("--image-size", args.image_size),
+                     ("--num-classes", args.num_classes), ("--teacher-input", args.teacher_input),
+                     ("--teacher-mean", args.teacher_mean), ("--teacher-std", args.teacher_std),
+                     ("--teacher-size", args.teacher_size)):
+        if val is not None:
+            cmd += [opt, str(val)]
+    if ring is not None:
+        cmd += ["--ring", ring, "--epochs", str(args.epochs)]
+    else:
+        cmd += ["--cache", spec_path]
+        if online:
+            cmd += ["--online", "--epochs", str(args.epochs)]
+    return cmd
+
+
+def _die_with_parent():
+    """In the producer child: get SIGTERM when the trainer dies, even by kill -9 (Linux)."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+def start_producer(cmd, log_path):
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    fh = open(log_path, "ab")
+    log.info("starting producer: %s (log: %s)", " ".join(cmd[1:]), log_path)
+    proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=os.getcwd(),
+                            preexec_fn=_die_with_parent)
+    fh.close()
+    return proc
+
+
+def stop_producer(proc, timeout=10.0):
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGINT)  # a clean stop: committed rows are kept
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def producer_failure(proc, log_path):
+    """The producer's own error line, when it exited with one."""
+    if proc is None or proc.poll() in (None, 0):
+        return None
+    try:
+        lines = [ln for ln in open(log_path, errors="replace").read().splitlines() if ln.strip()]
+    except OSError:
+        lines = []
+    errs = [ln for ln in lines if ln.startswith("error:")]
+    return (errs or lines or [f"exit status {proc.returncode}"])[-1]
+
+
+# --- targets ---------------------------------------------------------------------------------
+class Prefetcher:
+    """Builds batches (student inputs, labels, teacher targets) ahead of the loop in a thread, so
+    cache gathers and input preparation overlap the student's compute (MXNet releases the GIL)."""
+
+    def __init__(self, steps, dataset, *, seed, augment, targets, depth=3):
+        self.q = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self.error = None
+        self.stall_s = 0.0
+        self._t = threading.Thread(target=self._run, args=(steps, dataset, seed, augment, targets), daemon=True)
+        self._t.start()
+
+    def _run(self, steps, dataset, seed, augment, targets):
+        try:
+            for st in steps:
+                x, y = make_views(dataset, st.indices, st.view, seed=seed, augment=augment)
+                t = targets(st) if targets is not None else None
+                while not self._stop.is_set():
+                    try:
+                        self.q.put((st, x, y, t), timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if self._stop.is_set():
+                    return
+        except BaseException as e:  # handed to the loop, which raises it
+            self.error = e
+        finally:
+            self.q.put(None)
+
+    def __iter__(self):
+        while True:
+            t0 = time.perf_counter()
+            item = self.q.get()
+            self.stall_s += time.perf_counter() - t0
+            if item is None:
+                if self.error is not None:
+                    raise self.error
+                return
+            yield item
+
+    def close(self):
+        self._stop.set()
+        try:
+            while True:
+                self.q.get_nowait()
+        except queue.Empty:
+            pass
+
+
+def evaluate(net, dataset, ctx, batch_size=256):
+    correct = 0
+    for a in range(0, len(dataset), batch_size):
+        x, y = dataset.get_batch(np.arange(a, min(len(dataset), a + batch_size)))
+        correct += int((net(mx.nd.array(x, ctx=ctx[0])).asnumpy().argmax(axis=1) == y).sum())
+    return correct / len(dataset)
+
+
+def save_checkpoint(run_dir, net, trainer, epoch, state):
+    """Export the student and the optimiser state; state.json, written last and atomically,
+    says which epoch is complete, so an interrupted save is never resumed from."""
+    tmp = os.path.join(run_dir, f".tmp-{os.getpid()}")
+    net.export(tmp + "-student", epoch=epoch)
+    trainer.save_states(tmp + ".states")
+    os.replace(f"{tmp}-student-{epoch:04d}.params", os.path.join(run_dir, f"student-{epoch:04d}.params"))
+    os.replace(f"{tmp}-student-symbol.json", os.path.join(run_dir, "student-symbol.json"))
+    os.replace(tmp + ".states", os.path.join(run_dir, "trainer.states"))
+    with open(tmp + ".json", "w") as fh:
+        json.dump({**state, "epoch": epoch}, fh, indent=1)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp + ".json", os.path.join(run_dir, "state.json"))
+
+
+def load_checkpoint(run_dir, net, trainer):
+    path = os.path.join(run_dir, "state.json")
+    if not os.path.exists(path):
+        raise TrainError(f"--resume: {run_dir} has no checkpoint (state.json): run without --resume")
+    with open(path) as fh:
+        state = json.load(fh)
+    e = state["epoch"]
+    saved = mx.nd.load(os.path.join(run_dir, f"student-{e:04d}.params"))
+    params = net.collect_params()
+    for k, v in saved.items():
+        name = k.split(":", 1)[1] if ":" in k else k
+        params[name].set_data(v)
+    trainer.load_states(os.path.join(run_dir, "trainer.states"))
+    return state
+
+
+def teacher_accuracy(base, spec, test):
+    """The teacher's test accuracy from its cache of the test split; None (logged) if unavailable:
+    it is a report, not the job."""
+    try:
+        with CacheReader(base, spec=spec) as r:
+            return float((r.get(np.arange(len(test)), wait=False).argmax(1) == test.labels).mean())
+    except Exception as e:
+        log.warning("teacher test accuracy unavailable: %s", e)
+        return None
+
+
+# --- the run ---------------------------------------------------------------------------------
+def run(args, threads, cores):
+    t_start = time.perf_counter()
+    ctx = resolve_ctx(args.ctx)
+    run_name = args.run or time.strftime("%Y%m%d-%H%M%S")
+    if os.sep in run_name or run_name in (".", "..") or not run_name.replace("-", "").replace("_", "").replace(".", "").isalnum():
+        raise TrainError(f"--run {run_name!r}: use letters, digits, '-', '_' and '.' only")
+    run_dir = os.path.join(args.runs_dir, run_name)
+    if os.path.exists(os.path.join(run_dir, "state.json")) and not args.resume:
+        raise TrainError(f"run {run_dir} exists: pass --resume to continue it or another --run name")
+    os.makedirs(run_dir, exist_ok=True)
+    mx.random.seed(args.seed)
+    np.random.seed(args.seed)
+
+    # data
+    train = load_dataset(args.dataset, data_root=args.data_root, split="train", image_size=args.image_size,
+                         num_classes=args.num_classes)
+    test = load_dataset(args.dataset, data_root=args.data_root, split="test", image_size=args.image_size,
+                        num_classes=args.num_classes)
+    augment = resolve_augment(args.augment, train.name, args.views)
+    n, classes = len(train), train.num_classes
+    log.info("data set %s: %d train / %d test samples, %d classes, %d view(s), augment %s; ctx %s, %d thread(s) "
+             "of %d core(s)", train.name, n, len(test), classes, args.views, augment.spec, ctx, threads, cores)
+
+    # targets
+    producer = test_producer = reader = ring = teacher = None
+    spec = None
+    cache_path = None
+    teacher_acc = None
+    targets = None
+    mode = args.teacher_mode
+    if mode != "none":
+        prefix, epoch = teacher_prefix(args)
+        tmean, tstd, tsize = floats(args.teacher_mean), floats(args.teacher_std), hw(args.teacher_size)
+        tid = teacher_identity(prefix, epoch, input_name=args.teacher_input, mean=tmean, std=tstd, size=tsize)
+        spec = build_spec(tid, train, views=args.views, augment=augment, seed=args.seed, codec=args.codec,
+                          dtype=args.dtype)
+    if mode == "inline":
+        from pipeline.teacher import Teacher
+        teacher = Teacher(prefix, epoch, input_name=args.teacher_input, mean=tmean, std=tstd, size=tsize,
+                          batch_size=args.batch_size)
+        teacher_acc = float((teacher.forward(test.get_batch(np.arange(len(test)))[0]).argmax(1) == test.labels).mean())
+        teacher.forwards = 0
+    elif mode == "cache":
+        ptheads = args.producer_threads or max(1, cores - threads)
+        if args.store == "ring":
+            from store.ring import RingReader
+            ring = RingReader(f"kdcache-ring-{os.getpid()}-{run_name}"[:60], create=True, capacity=args.ring_capacity,
+                              num_classes=spec.num_classes, codec=spec.codec, dtype=spec.dtype,
+                              timeout=args.wait_timeout)
+            producer = start_producer(producer_command(args, prefix, epoch, None, threads=ptheads, ring=ring.name),
+                                      os.path.join(run_dir, "producer.log"))
+            targets = lambda st: ring.get(st.indices, st.epoch)
+            cache_path = None
+        else:
+            base = registry.base_path(args.cache) if args.cache != "auto" else path_for(args.cache_dir, spec.fingerprint)
+            cache_path = final_path(base)
+            have = registry.exists(base)
+            complete = os.path.exists(cache_path)
+            if not complete and not args.no_producer:
+                alive = have and os.path.isdir(registry.parts_path(base)) and \
+                    bool(__import__("store.segment", fromlist=["x"]).lock_holders(registry.parts_path(base)))
+                if alive:
+                    log.info("a producer is already filling cache %s: reading behind it", spec.fingerprint)
+                else:
+                    producer = start_producer(producer_command(args, prefix, epoch, base, threads=ptheads),
+                                              os.path.join(run_dir, "producer.log"))
+            elif complete:
+                log.info("cache %s is complete: the teacher costs nothing in this run", spec.fingerprint)
+            deadline = time.monotonic() + 120
+            while True:  # the producer needs a few seconds to start and create the cache
+                try:
+                    reader = CacheReader(base, spec=spec, timeout=args.wait_timeout, grace_s=30.0 if producer else 0.0)
+                    break
+                except Exception as e:
+                    from store import CacheNotFoundError
+                    if not isinstance(e, CacheNotFoundError) or producer is None:
+                        raise
+                    failure = producer_failure(producer, os.path.join(run_dir, "producer.log"))
+                    if failure or time.monotonic() > deadline:
+                        raise TrainError(f"the producer did not start: {failure or 'no cache after 120 s'} "
+                                         f"(see {run_dir}/producer.log)") from None
+                    time.sleep(0.2)
+            targets = lambda st: reader.get(st.indices, st.view)
+        # the teacher's own test accuracy, from a (small, reusable) cache of the test split
+        tspec = build_spec(tid, test, codec="full", dtype="float32")
+        tbase = path_for(args.cache_dir, tspec.fingerprint)
+        if not os.path.exists(final_path(tbase)):
+            test_producer = start_producer(producer_command(args, prefix, epoch, tbase, split="test", online=False,
+                                                            threads=1), os.path.join(run_dir, "producer-test.log"))
+        else:
+            teacher_acc = teacher_accuracy(tbase, tspec, test)
+
+    # student
+    net = get_model(args.student, classes, prefix="student_")
+    net.initialize(mx.init.Xavier(), ctx=ctx)
+    net.hybridize(static_alloc=True)
+    trainer = gluon.Trainer(net.collect_params(), "adam", {"learning_rate": args.lr, "wd": args.wd})
+    net(mx.nd.array(train.get_batch([0])[0], ctx=ctx[0]))  # shapes known before a resume loads parameters
+    start_epoch, history = 0, []
+    if args.resume:
+        state = load_checkpoint(run_dir, net, trainer)
+        start_epoch, history = state["epoch"] + 1, state.get("history", [])
+        log.info("resuming %s after epoch %d", run_dir, state["epoch"])
+    loss_fn = KDLoss(args.temperature, args.alpha if mode != "none" else 0.0)
+
+    # epochs
+    spe = steps_per_epoch(n, args.batch_size)
+    stall_total = 0.0
+    seen = 0
+    train_s = 0.0
+    metrics = {}
+    pf = None
+    try:
+        for epoch in range(start_epoch, args.epochs):
+            steps = schedule(args.seed, epoch + 1, n, args.batch_size, args.views, start_epoch=epoch)
+            pf = Prefetcher(steps, train, seed=args.seed, augment=augment,
+                            targets=targets if mode == "cache" else None)
+            bar = tqdm(total=spe, desc=f"epoch {epoch + 1}/{args.epochs}", unit="step", disable=args.quiet,
+                       dynamic_ncols=True, leave=not args.quiet)
+            t0 = time.perf_counter()
+            tot_loss, last_report = 0.0, 0.0
+            try:
+                for st, x, y, t in pf:
+                    if mode == "inline":
+                        t = teacher.forward(x)
+                    xs = gluon.utils.split_and_load(x, ctx, even_split=False)
+                    ys = gluon.utils.split_and_load(y.astype(np.float32), ctx, even_split=False)
+                    ts = gluon.utils.split_and_load(t, ctx, even_split=False) if t is not None else \
+                        [mx.nd.zeros((len(a), classes), ctx=a.context) for a in ys]
+                    with autograd.record():
+                        losses = [loss_fn(net(a), b, c) for a, c, b in zip(xs, ys, ts)]
+                    autograd.backward(losses)
+                    trainer.step(x.shape[0])
+                    tot_loss += sum(float(l.sum().asscalar()) for l in losses)
+                    seen += x.shape[0]
+                    bar.update(1)
+                    now = time.perf_counter()
+                    if now - last_report > 0.5:
+                        last_report = now
+                        if reader is not None:
+                            registry.write_position(reader.base, st.position, epoch=epoch, step=st.step, run=run_name)
+                        bar.set_postfix(loss=f"{tot_loss / max(1, (st.step + 1) * args.batch_size):.4f}",
+                                        stall=f"{pf.stall_s:.1f}s", refresh=False)
+            except ProducerGoneError as e:
+                failure = producer_failure(producer, os.path.join(run_dir, "producer.log"))
+                raise TrainError(f"{e}" + (f"; the producer failed: {failure}" if failure else "")) from None
+            finally:
+                pf.close()
+                bar.close()
+            dt = time.perf_counter() - t0
+            train_s += dt
+            stall_total += pf.stall_s
+            acc = evaluate(net, test, ctx)
+            history.append({"epoch": epoch, "seconds": round(dt, 3), "loss": tot_loss / n, "test_acc": acc,
+                            "stall_s": round(pf.stall_s, 3), "samples_per_s": round(n / dt, 1)})
+            log.info("epoch %d/%d: loss %.4f, test accuracy %.4f, %.0f samples/s, stall %.2f s", epoch + 1,
+                     args.epochs, tot_loss / n, acc, n / dt, pf.stall_s)
+            save_checkpoint(run_dir, net, trainer, epoch, {"history": history, "args": vars(args)})
+    finally:
+        stop_producer(producer)
+        if ring is not None:
+            ring.close()
+
+    if test_producer is not None:
+        try:
+            test_producer.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            stop_producer(test_producer)
+        teacher_acc = teacher_accuracy(tbase, tspec, test)
+    final_acc = history[-1]["test_acc"] if history else None
+    forwards = teacher.forwards if teacher is not None else 0
+    if producer is not None:
+        try:
+            out = [ln for ln in open(os.path.join(run_dir, "producer.log")).read().splitlines() if ln.startswith("{")]
+            forwards = json.loads(out[-1])["teacher_forwards"] if out else forwards
+        except (OSError, ValueError, KeyError):
+            pass
+    if reader is not None:
+        reader.close()
+    metrics = {
+        "run": run_name, "dataset": args.dataset, "student": args.student, "teacher_mode": mode,
+        "store": args.store if mode == "cache" else None, "temperature": args.temperature,
+        "alpha": args.alpha if mode != "none" else 0.0, "epochs": args.epochs, "seed": args.seed,
+        "test_acc": final_acc, "teacher_test_acc": teacher_acc,
+        "samples_per_s": round(seen / train_s, 1) if train_s else None,
+        "teacher_forwards": int(forwards), "stall_s": round(stall_total, 3),
+        "target_wait_s": round(reader.stall_s if reader else (ring.stall_s if ring else 0.0), 3),
+        "cache_path": cache_path, "fingerprint": spec.fingerprint if spec else None,
+        "producer_started": producer is not None, "threads": threads, "ctx": str(ctx),
+        "epoch1_s": history[0]["seconds"] if history and start_epoch == 0 else None,
+        "wall_s": round(time.perf_counter() - t_start, 3), "history": history,
+        "checkpoint": os.path.join(run_dir, "student-symbol.json"),
+    }
+    with open(os.path.join(run_dir, "metrics.json.tmp"), "w") as fh:
+        json.dump(metrics, fh, indent=1)
+    os.replace(os.path.join(run_dir, "metrics.json.tmp"), os.path.join(run_dir, "metrics.json"))
+    return metrics, run_dir

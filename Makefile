@@ -16,6 +16,11 @@ EPOCHS     ?= 10
 BATCH_SIZE ?= 64
 THREADS    ?=
 SHARDS     ?= 1
+STUDENT    ?= mlp
+T          ?= 20
+ALPHA      ?= 0.5
+RUN        ?=
+TEACHER_MODE ?= cache
 PYTEST_ARGS ?=
 QUICK ?=
 DEFAULT_TEACHER := teachers/digits
@@ -31,7 +36,7 @@ TEACHER_DEP = $(if $(filter $(DEFAULT_TEACHER),$(TEACHER)),$(DEFAULT_TEACHER)-sy
 export PYTHONPATH := $(CURDIR)
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: help setup test test-fast bench-store caches teacher cache cache-online clean
+.PHONY: help setup test test-fast bench-store caches teacher cache cache-online train clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s "$$(printf '\t')"
@@ -69,6 +74,10 @@ cache-online: setup $(TEACHER_DEP)  ## producer following the training schedule 
 	    $(PY) -m cache_builder --online --epochs $(EPOCHS) --threads 1 --quiet --shard $$i/$(SHARDS) $(PRODUCER_OPTS) & pids="$$pids $$!"; \
 	  done; rc=0; for p in $$pids; do wait $$p || rc=$$?; done; exit $$rc; \
 	fi
+
+train: setup $(TEACHER_DEP)  ## train STUDENT with KD from the cache (starts a producer when needed)
+	$(PY) -m trainer --student $(STUDENT) --teacher $(TEACHER) --teacher-mode $(TEACHER_MODE) $(SHARED_OPTS) \
+	  --temperature $(T) --alpha $(ALPHA) --epochs $(EPOCHS) $(if $(RUN),--run $(RUN)) $(if $(THREADS),--threads $(THREADS))
 
 caches: setup  ## list the caches in the cache directory (CACHE_DIR=...)
 	$(PY) -m store ls $(if $(CACHE_DIR),--cache-dir $(CACHE_DIR))

@@ -113,7 +113,7 @@ def main(argv=None):
 
 def run(args, log):
     from cache_builder.produce import CacheSink, produce_offline, produce_online
-    from cache_builder.teacher import Teacher
+    from pipeline.teacher import Teacher
     from pipeline.cachespec import build_spec, parse_teacher_arg, resolve_augment, teacher_identity
     from pipeline.datasets import load_dataset
     from store import CacheWriter, path_for
@@ -188,7 +188,7 @@ def check_classes(teacher, dataset):
 def run_ring(args, log, prefix, epoch, mean, std, size, dataset, augment, spec, result):
     """Stream the schedule's targets into a shared-memory ring (the trainer reads and frees them)."""
     from cache_builder.produce import RingSink, produce_online
-    from cache_builder.teacher import Teacher
+    from pipeline.teacher import Teacher
     from store.ring import RingWriter
     create = args.ring_capacity is not None
     ring = RingWriter(args.ring, create=create, capacity=args.ring_capacity, num_classes=spec.num_classes,

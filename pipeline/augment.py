@@ -55,7 +55,8 @@ class Augment:
                 except ValueError:
                     pad = -1
                 if pad < 0:
-                    raise ValueError(f"augmentation {spec!r}: crop padding must be an integer >= 0, as in crop:4")
+                    raise ValueError(f"augmentation {spec!r}: crop padding must be an integer >= 0; use none, "
+                                     f"crop:PAD, flip or crop:PAD,flip, e.g. crop:4,flip")
             else:
                 raise ValueError(f"augmentation {spec!r} not understood: use none, crop:PAD, flip or crop:PAD,flip")
         return cls(pad, flip)

@@ -8,6 +8,7 @@ import gzip
 import hashlib
 import os
 import struct
+import zlib
 
 import numpy as np
 from mxnet import gluon
@@ -78,7 +79,7 @@ DIGITS_TEST_FRACTION = 0.2
 
 def load_digits(split="train"):
     """scikit-learn's digits (1797 8x8 images, 10 classes, pixel values 0..16), shipped inside
-    its wheel: a fixed split, 1437 train / 360 test samples (a seeded permutation)."""
+    its wheel: a fixed split, 1438 train / 359 test samples (a seeded permutation)."""
     from sklearn.datasets import load_digits as _ld
     d = _ld()
     x = d.images.astype(np.uint8)[:, None]  # values 0..16
@@ -141,16 +142,24 @@ def _open_maybe_gz(path):
     raise DatasetError(f"missing file {path} (or {path}.gz): put the data set's standard files under --data-root")
 
 
-def read_idx(path):
-    """An IDX file (MNIST's format): magic 0x00 0x00 type ndim, big-endian dims, then data."""
+def read_idx(path, ndim=None):
+    """An IDX file (MNIST's format): magic 0x00 0x00 type ndim, big-endian dims, then data.
+    `ndim`: the number of dimensions the caller expects (3 for images, 1 for labels)."""
     with _open_maybe_gz(path) as fh:
-        head = fh.read(4)
-        if len(head) < 4 or head[0] != 0 or head[1] != 0 or head[2] != 0x08:
-            raise DatasetError(f"{path}: not an IDX file of unsigned bytes (bad magic {head!r}): is it the "
-                               f"right file, un-truncated?")
-        ndim = head[3]
-        dims = struct.unpack(">" + "I" * ndim, fh.read(4 * ndim))
-        data = np.frombuffer(fh.read(), dtype=np.uint8)
+        try:  # a damaged or truncated .gz fails inside read(), a short header in unpack()
+            head = fh.read(4)
+            if len(head) < 4 or head[0] != 0 or head[1] != 0 or head[2] != 0x08:
+                raise DatasetError(f"{path}: not an IDX file of unsigned bytes (bad magic {head!r}): is it the "
+                                   f"right file, un-truncated?")
+            if ndim is not None and head[3] != ndim:
+                raise DatasetError(f"{path}: IDX magic 0x{head.hex()} holds {head[3]}-d data, expected "
+                                   f"0x0000080{ndim} ({'images' if ndim == 3 else 'labels'}): are the images "
+                                   f"and labels files swapped?")
+            dims = struct.unpack(">" + "I" * head[3], fh.read(4 * head[3]))
+            data = np.frombuffer(fh.read(), dtype=np.uint8)
+        except (OSError, EOFError, zlib.error, struct.error) as e:
+            raise DatasetError(f"{path}: cannot be read ({e}): the file is truncated or damaged; "
+                               f"fetch it again") from None
     if data.size != int(np.prod(dims)):
         raise DatasetError(f"{path}: holds {data.size} bytes of data, its header promises {int(np.prod(dims))}: "
                            f"the file is truncated; fetch it again")
@@ -165,8 +174,8 @@ def load_mnist_like(name, root, split="train"):
                 os.path.exists(os.path.join(d, f"{pre}-images-idx3-ubyte.gz")):
             root = d
             break
-    x = read_idx(os.path.join(root, f"{pre}-images-idx3-ubyte"))
-    y = read_idx(os.path.join(root, f"{pre}-labels-idx1-ubyte"))
+    x = read_idx(os.path.join(root, f"{pre}-images-idx3-ubyte"), ndim=3)
+    y = read_idx(os.path.join(root, f"{pre}-labels-idx1-ubyte"), ndim=1)
     return ArrayDataset(name, split, x[:, None], y.astype(np.int64), 10, scale=255.0)
 
 
@@ -211,19 +220,37 @@ def load_npz(path, split="train", num_classes=None):
         z = np.load(path, allow_pickle=False)  # data only: object arrays are refused
     except (OSError, ValueError) as e:
         raise DatasetError(f"{path}: not a readable .npz file ({e})") from None
+    if not isinstance(z, np.lib.npyio.NpzFile):  # a single .npy array
+        raise DatasetError(f"{path}: a .npy array, not an .npz archive: save images and labels together with "
+                           f"np.savez(path, x_train=..., y_train=...)")
     with z:
         for xk, yk in NPZ_KEYS[split]:
             if xk in z.files and yk in z.files:
-                x, y = z[xk], z[yk]
+                try:  # members are read here: object arrays fail only now, under allow_pickle=False
+                    x, y = z[xk], z[yk]
+                except ValueError as e:
+                    raise DatasetError(f"{path}: {xk}/{yk} cannot be read as plain arrays ({e}); object arrays "
+                                       f"(pickled Python objects) are refused for safety: save numeric "
+                                       f"arrays, e.g. np.stack the images to uint8 [N, H, W, C]") from None
                 break
         else:
             raise DatasetError(f"{path}: no {split} arrays; expected one of "
                                f"{', '.join(f'{a}/{b}' for a, b in NPZ_KEYS[split])}, found {', '.join(z.files)}")
     if not np.issubdtype(y.dtype, np.integer):
         raise DatasetError(f"{path}: labels have dtype {y.dtype}: store integer class labels")
+    if y.ndim == 2 and y.shape[1] == 1:  # Keras stores labels as [N, 1]
+        y = y.reshape(-1)
+    if y.ndim != 1:
+        raise DatasetError(f"{path}: labels have shape {y.shape}: store one integer class per sample, [N] "
+                           f"(not one-hot)")
     x = _nchw(x if x.ndim > 2 else x.reshape(len(x), 1, 1, -1))
     scale = 255.0 if x.dtype == np.uint8 else 1.0
-    classes = num_classes or int(y.max()) + 1
+    if x.dtype != np.uint8 and x.size:
+        lo, hi = x.min(), x.max()
+        if not (lo >= 0 and hi <= 1):  # also catches NaN
+            raise DatasetError(f"{path}: images of dtype {x.dtype} hold values in [{lo}, {hi}], outside [0, 1]: "
+                               f"store uint8 pixels 0..255, or floats scaled to [0, 1]")
+    classes = num_classes or (int(y.max()) + 1 if y.size else 0)
     return ArrayDataset("npz", split, x, y, classes, scale=scale)
 
 
@@ -240,6 +267,11 @@ class DecodedDataset(gluon.data.Dataset):
         self.params = params
         self._n = n
         self._pid = None
+        if n == 0:
+            raise DatasetError(f"{name} ({split}): no images: check --data-root")
+        if self.labels.min() < 0 or self.labels.max() >= self.num_classes:
+            raise DatasetError(f"{name}: labels outside [0, {self.num_classes}): pass --num-classes to match "
+                               f"the labels, or fix the labels in the data set")
         first = self._decode(0)
         self.shape = tuple(first.shape)
 

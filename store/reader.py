@@ -214,7 +214,12 @@ class CacheReader:
         return keys[~self._done[keys]]
 
     def producer_alive(self):
-        return bool(lock_holders(self.parts, self.heartbeat_timeout)) or time.monotonic() < self.grace_until
+        """True while a producer holds a lock on this cache. `grace_s` covers a producer that is
+        still starting: it counts only until one has been seen."""
+        if lock_holders(self.parts, self.heartbeat_timeout):
+            self.grace_until = 0.0
+            return True
+        return time.monotonic() < self.grace_until
 
     # -- reading ------------------------------------------------------------------------------
     def get(self, indices, views=0, *, wait=True, timeout=None):

@@ -76,7 +76,7 @@ def cli(*args, check=True):
 # --- teacher -----------------------------------------------------------------------------
 def test_gluon_export_round_trip(teachers):
     import mxnet as mx
-    from cache_builder.teacher import Teacher
+    from pipeline.teacher import Teacher
     from pipeline import load_dataset
     x, _ = load_dataset("digits").get_batch(np.arange(16))
     t = Teacher(teachers["gluon"])
@@ -85,7 +85,7 @@ def test_gluon_export_round_trip(teachers):
 
 
 def test_module_checkpoint_round_trip_gives_logits_not_softmax(teachers):
-    from cache_builder.teacher import Teacher
+    from pipeline.teacher import Teacher
     from pipeline import load_dataset
     x, _ = load_dataset("digits").get_batch(np.arange(16))
     t = Teacher(teachers["module"])  # latest epoch found: 1
@@ -95,7 +95,7 @@ def test_module_checkpoint_round_trip_gives_logits_not_softmax(teachers):
 
 
 def test_teacher_preprocessing_is_applied_and_part_of_the_identity(teachers):
-    from cache_builder.teacher import Teacher
+    from pipeline.teacher import Teacher
     from pipeline import load_dataset
     x, _ = load_dataset("digits").get_batch(np.arange(4))
     plain, norm = Teacher(teachers["gluon"]), Teacher(teachers["gluon"], mean=[0.5], std=[0.25])
@@ -109,7 +109,7 @@ def test_teacher_preprocessing_is_applied_and_part_of_the_identity(teachers):
 ])
 def test_bad_teacher_files(teachers, tmp_path, case, match):
     import shutil
-    from cache_builder.teacher import Teacher
+    from pipeline.teacher import Teacher
     from pipeline.cachespec import TeacherError
     p = str(tmp_path / "t")
     if case != "missing":
@@ -144,7 +144,7 @@ def test_unusable_teacher_outputs_are_refused_and_nothing_is_cached(teachers, tm
 
 # --- producing ---------------------------------------------------------------------------
 def test_cache_equals_the_teacher_outputs_and_is_reused(teachers, tmp_path):
-    from cache_builder.teacher import Teacher
+    from pipeline.teacher import Teacher
     from pipeline import load_dataset
     from store import CacheReader
     out = cli("--teacher", teachers["gluon"], "--cache-dir", tmp_path, "--dtype", "float32", "--batch-size", 100)
@@ -159,7 +159,7 @@ def test_cache_equals_the_teacher_outputs_and_is_reused(teachers, tmp_path):
 
 
 def test_views_hold_the_teacher_output_of_each_augmented_view(teachers, tmp_path):
-    from cache_builder.teacher import Teacher
+    from pipeline.teacher import Teacher
     from pipeline import Augment, load_dataset, make_views
     from store import CacheReader
     out = cli("--teacher", teachers["gluon"], "--cache-dir", tmp_path, "--views", 3, "--augment", "crop:2,flip",
@@ -195,7 +195,7 @@ def test_online_follows_the_schedule_and_stops_when_complete(teachers, tmp_path)
 
 def test_online_writes_in_training_order(teachers, tmp_path):
     from cache_builder.produce import CacheSink, produce_online
-    from cache_builder.teacher import Teacher
+    from pipeline.teacher import Teacher
     from pipeline import load_dataset
     from pipeline.cachespec import build_spec, teacher_identity
     from pipeline.schedule import schedule

@@ -1,0 +1,531 @@
+"""Producer benchmarks: the cache builder's rows/s beside the bare teacher forward, and two shards vs one.
+
+    PYTHONPATH=. python -m bench.producer [--quick] [--out bench/results/producer.json] [--tmp DIR]
+
+This process never imports MXNet. Every MXNet process is a child started with
+OMP_NUM_THREADS=1 (the only knob that limits MXNet's compute threads, and it must be set
+before `import mxnet`), so no side gets more cores than the other. The teacher is a small
+Gluon CNN built and exported here (explicit prefix, fixed seed); the data set is `synthetic`.
+
+1. Producer overhead: `python -m cache_builder --threads 1` filling a fresh cache offline vs a
+   bare loop of the same teacher over the same batches in key order (make_views + forward, no
+   store), both in a fresh child process. Both sides time only their work loop (the CLI's
+   reported rows_per_s; the bare loop times itself the same way, after the same warm-up), so
+   process start-up, the MXNet import and the data set load are left out. Interleaved, best
+   of the repeats.                                                       floor: ratio >= 0.9
+2. Two shards on two cores: two producers (`--shard 0/2`, `--shard 1/2`, one thread each)
+   started at once on a fresh cache vs one producer: wall time from start to the end of both
+   processes (start-up and compaction included on both sides), and the aggregate of the rows/s
+   each process reports. The 2-shard cache must be complete and hold the same logits as the
+   single producer's.                                                    floor: ratio >= 1.6
+3. Size of the finished cache and the teacher's forward time per batch (informative).
+"""
+import os
+import sys
+
+if __package__ in (None, ""):  # run as a file: import the repo's packages, not this directory's
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import shutil  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from bench.store import machine, machine_line, md_table, rate, verdict  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_OUT = os.path.join("bench", "results", "producer.json")
+THREADS = 1
+CLASSES = 10
+SHAPE = "3x32x32"
+TEACHER_WIDTHS = (32, 32, 64, 64)  # ~30 ms per forward of 128 images on one thread here
+
+# Sizes: full run (~4 min on 2 cores) and --quick (~1.5 min).
+FULL = dict(n=8000, batch=128, overhead_repeats=3, shard_repeats=3)
+QUICK = dict(n=3000, batch=128, overhead_repeats=3, shard_repeats=1)
+
+BUSY_CORES = 0.25  # other processes' average CPU use above which the report warns
+
+FLOORS = {"producer_vs_bare_forward": 0.9, "two_shards_vs_one": 1.6, "two_shards_vs_one_aggregate": 1.6}
+
+
+def log(msg):
+    print(f"[bench.producer {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# -- children (each its own process, OMP_NUM_THREADS fixed by the parent) ----------------------
+def child_export(prefix):
+    """Build the benchmark's teacher and export it: PREFIX-symbol.json, PREFIX-0000.params."""
+    import mxnet as mx
+    from mxnet import gluon
+    mx.random.seed(0)
+    np.random.seed(0)
+    net = gluon.nn.HybridSequential(prefix="benchteacher_")  # explicit: same files every run
+    with net.name_scope():
+        for w in TEACHER_WIDTHS:
+            net.add(gluon.nn.Conv2D(w, 3, padding=1, use_bias=False), gluon.nn.BatchNorm(),
+                    gluon.nn.Activation("relu"), gluon.nn.MaxPool2D(2))
+        net.add(gluon.nn.GlobalAvgPool2D(), gluon.nn.Dense(CLASSES))
+    net.initialize(mx.init.Xavier())
+    net.hybridize()
+    net(mx.nd.zeros((1,) + tuple(int(s) for s in SHAPE.split("x")))).wait_to_read()
+    net.export(prefix, 0)
+    params = sum(int(np.prod(p.shape)) for p in net.collect_params().values())
+    print(json.dumps({"prefix": prefix, "parameters": params}))
+
+
+def child_bare(prefix, dataset_arg, batch):
+    """The teacher alone over every sample in key order, the loop produce_offline runs minus the store.
+
+    Set-up mirrors `python -m cache_builder`: load the data set, load the teacher, one probe
+    forward of two samples; then only the loop is timed, as produce_offline times its loop.
+    """
+    from pipeline.teacher import Teacher
+    from pipeline.augment import Augment, make_views
+    from pipeline.datasets import load_dataset
+    dataset = load_dataset(dataset_arg)
+    teacher = Teacher(prefix, batch_size=batch)
+    x, _ = dataset.get_batch([0, min(1, len(dataset) - 1)])
+    teacher.forward(x)
+    keys = np.arange(len(dataset), dtype=np.int64)  # views=1: flat key = sample index
+    augment = Augment()
+    views_s, forward_s = [], []
+    t0 = time.perf_counter()
+    for a in range(0, keys.size, batch):
+        idx = keys[a:a + batch]
+        t1 = time.perf_counter()
+        x, _ = make_views(dataset, idx, idx % 1, seed=0, augment=augment)
+        t2 = time.perf_counter()
+        teacher.forward(x)
+        forward_s.append(time.perf_counter() - t2)
+        views_s.append(t2 - t1)
+    seconds = time.perf_counter() - t0
+    full = [t for t, a in zip(forward_s, range(0, keys.size, batch)) if keys.size - a >= batch]
+    print(json.dumps({"rows": int(keys.size), "seconds": seconds, "rows_per_s": keys.size / seconds,
+                      "forward_ms_per_batch_median": 1e3 * statistics.median(full),
+                      "forward_ms_per_batch_min": 1e3 * min(full),
+                      "make_views_ms_per_batch_median": 1e3 * statistics.median(views_s),
+                      "full_batches": len(full)}))
+
+
+# -- the parent: runs children, compares ---------------------------------------------------------
+def child_env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        env[var] = str(THREADS)
+    env.pop("KDCACHE_TEACHER_THREADS", None)
+    env.setdefault("MXNET_SUBGRAPH_VERBOSE", "0")
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    return env
+
+
+def last_json(stdout, what):
+    for line in reversed(stdout.strip().splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    raise RuntimeError(f"bench: {what} printed no JSON line; its output ended with:\n{stdout[-2000:]}")
+
+
+class Children:
+    """Processes this benchmark started; all are stopped (by their own pid) if it fails."""
+
+    def __init__(self):
+        self.procs = []
+
+    def start(self, argv):
+        p = subprocess.Popen(argv, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+        self.procs.append(p)
+        return p
+
+    def finish(self, p, what, timeout=600):
+        out, err = p.communicate(timeout=timeout)
+        self.procs.remove(p)
+        if p.returncode != 0:
+            raise RuntimeError(f"bench: {what} exited with {p.returncode}:\n{err[-3000:]}")
+        return last_json(out, what)
+
+    def run(self, argv, what):
+        return self.finish(self.start(argv), what)
+
+    def stop_all(self):
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+        self.procs.clear()
+
+
+def producer_argv(prefix, dataset_arg, cache_dir, batch, shard="0/1"):
+    return [sys.executable, "-m", "cache_builder", "--teacher", prefix, "--dataset", dataset_arg,
+            "--cache-dir", cache_dir, "--batch-size", str(batch), "--threads", str(THREADS),
+            "--shard", shard, "--json", "--quiet"]
+
+
+def bare_argv(prefix, dataset_arg, batch):
+    return [sys.executable, "-m", "bench.producer", "--child", "bare", "--teacher", prefix,
+            "--dataset", dataset_arg, "--batch-size", str(batch)]
+
+
+def read_cache(path):
+    """(logits [N, V, C] as stored, complete flag, every row marked done) of a finished cache."""
+    import h5py
+    with h5py.File(path, "r") as f:
+        return f["logits"][...], int(f.attrs.get("complete", 0)) == 1, bool(np.all(f["done"][...] == 1))
+
+
+def compare_logits(a, b):
+    """Bitwise and within-one-float16-step equality of two stored logit arrays.
+
+    The teacher's kernels (oneDNN) give a row last-bit different float32 logits depending on
+    its position in the batch, and shards batch other keys together, so a row can round to the
+    neighbouring float16 value. One float16 step (np.spacing at the row's magnitude) is the
+    tolerance; anything larger is a wrong row.
+    """
+    if a.shape != b.shape:
+        return {"identical": False, "equal": False, "rows_differing": None, "max_abs_diff": None,
+                "max_diff_in_float16_steps": None}
+    a32, b32 = a.astype(np.float32), b.astype(np.float32)
+    diff = np.abs(a32 - b32)
+    step = np.spacing(np.maximum(np.abs(a), np.abs(b)).astype(np.float16)).astype(np.float32)
+    steps = float((diff / step).max()) if diff.size else 0.0
+    rows = diff.reshape(diff.shape[0] * diff.shape[1], -1).max(axis=1) > 0 if diff.size else np.zeros(0, bool)
+    return {"identical": bool(np.array_equal(a, b)), "equal": bool(steps <= 1.0),
+            "rows_differing": int(rows.sum()), "max_abs_diff": float(diff.max()) if diff.size else 0.0,
+            "max_diff_in_float16_steps": steps}
+
+
+def fresh_dir(root, tag):
+    return tempfile.mkdtemp(prefix=f"{tag}-", dir=root)
+
+
+# -- how busy the machine was -------------------------------------------------------------------
+_CLK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def cpu_snapshot():
+    """(time, busy CPU s of the machine, steal s, CPU s of this process and its reaped children)."""
+    import resource
+    try:
+        with open("/proc/stat") as fh:
+            f = [int(v) for v in fh.readline().split()[1:]]
+        busy, steal = (f[0] + f[1] + f[2] + f[5] + f[6]) / _CLK, (f[7] if len(f) > 7 else 0) / _CLK
+    except (OSError, ValueError, IndexError):
+        return None
+    own = sum(getattr(resource.getrusage(w), a) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+              for a in ("ru_utime", "ru_stime"))
+    return time.perf_counter(), busy, steal, own
+
+
+def cpu_between(a, b):
+    """Average cores this benchmark's processes used, cores other processes used, and steal."""
+    if a is None or b is None or b[0] <= a[0]:
+        return {"own_cores": None, "other_cores": None, "steal_cores": None}
+    wall = b[0] - a[0]
+    own = b[3] - a[3]
+    return {"own_cores": own / wall, "other_cores": max(0.0, (b[1] - a[1]) - own) / wall,
+            "steal_cores": (b[2] - a[2]) / wall}
+
+
+def busy_summary(runs):
+    vals = [r["cpu"]["other_cores"] for r in runs if r["cpu"]["other_cores"] is not None]
+    if not vals:
+        return {"other_cores_mean": None, "other_cores_max": None}
+    return {"other_cores_mean": statistics.mean(vals), "other_cores_max": max(vals)}
+
+
+def busy_text(summary):
+    if summary["other_cores_mean"] is None:
+        return "CPU use of other processes unknown (no /proc/stat)."
+    return (f"Other processes on this machine kept {summary['other_cores_mean']:.2f} cores busy on average "
+            f"during these runs (worst run {summary['other_cores_max']:.2f}) of {os.cpu_count()}.")
+
+
+# -- 1. producer vs bare forward ----------------------------------------------------------------
+def bench_overhead(root, kids, prefix, dataset_arg, p):
+    n, batch = p["n"], p["batch"]
+    runs = {"producer": [], "bare": []}
+    cache_bytes = None
+    for r in range(p["overhead_repeats"]):
+        order = ["bare", "producer"] if r % 2 == 0 else ["producer", "bare"]
+        for side in order:
+            s0 = cpu_snapshot()
+            if side == "bare":
+                res = kids.run(bare_argv(prefix, dataset_arg, batch), "bare teacher forward")
+            else:
+                d = fresh_dir(root, "overhead")
+                res = kids.run(producer_argv(prefix, dataset_arg, d, batch), "python -m cache_builder")
+                if not res.get("complete") or res.get("rows_written") != n:
+                    raise RuntimeError(f"bench: the producer did not fill the cache: {res}")
+                cache_bytes = os.path.getsize(res["cache_path"])
+                shutil.rmtree(d)
+            res["cpu"] = cpu_between(s0, cpu_snapshot())
+            runs[side].append(res)
+            log(f"  {side}: {res['rows_per_s']:.0f} rows/s (other processes: "
+                f"{res['cpu']['other_cores'] or 0:.2f} cores)")
+    best = {k: max(x["rows_per_s"] for x in v) for k, v in runs.items()}
+    med = {k: statistics.median(x["rows_per_s"] for x in v) for k, v in runs.items()}
+    ratio = best["producer"] / best["bare"]
+    ratio_med = med["producer"] / med["bare"]
+    # Within one producer run: teacher_s is make_views + forward inside its loop; the rest of the
+    # loop is the store (encode, segment creation, SWMR writes and flushes) and bookkeeping.
+    # Both parts ran in the same process at the same time, so machine noise hardly moves this.
+    prod = max(runs["producer"], key=lambda x: x["rows_per_s"])
+    loop_s = prod["rows_written"] / prod["rows_per_s"]
+    in_run = [x["teacher_s"] / (x["rows_written"] / x["rows_per_s"]) for x in runs["producer"]]
+    in_run_best = max(in_run)
+    bare = max(runs["bare"], key=lambda x: x["rows_per_s"])
+    busy = busy_summary(runs["bare"] + runs["producer"])
+    res = {"n": n, "batch": batch, "threads": THREADS, "repeats": p["overhead_repeats"],
+           "rows_per_s_best": best, "rows_per_s_median": med,
+           "rows_per_s_all": {k: [x["rows_per_s"] for x in v] for k, v in runs.items()},
+           "producer_vs_bare_forward": ratio, "producer_vs_bare_forward_median": ratio_med,
+           "teacher_share_of_producer_loop": in_run, "teacher_share_of_producer_loop_best": in_run_best,
+           "producer_loop_s_best": loop_s, "producer_teacher_s_best": prod["teacher_s"],
+           "bare_forward_ms_per_batch_median": bare["forward_ms_per_batch_median"],
+           "bare_forward_ms_per_batch_min": bare["forward_ms_per_batch_min"],
+           "bare_make_views_ms_per_batch_median": bare["make_views_ms_per_batch_median"],
+           "cache_bytes": cache_bytes, "cpu_per_run": {k: [x["cpu"] for x in v] for k, v in runs.items()},
+           **busy, "statistic": "best of the interleaved repeats (median also given)"}
+    table = md_table(
+        ["N x C (fp16)", "batch", "threads", "bare forward rows/s", "producer rows/s",
+         "producer_vs_bare_forward", "(medians)", "in-run teacher share", "floor", "verdict"],
+        [[f"{n:,} x {CLASSES}", batch, THREADS, rate(best["bare"]), rate(best["producer"]), f"{ratio:.3f}",
+          f"{ratio_med:.3f}", f"{in_run_best:.3f}", f">= {FLOORS['producer_vs_bare_forward']}",
+          verdict(ratio, FLOORS["producer_vs_bare_forward"])]])
+    note = (f"rows/s of the timed work loop only (set-up, MXNet import and data load excluded on both sides); "
+            f"each side a fresh process with OMP_NUM_THREADS={THREADS}, best of {p['overhead_repeats']} "
+            f"interleaved runs (the side going first alternates); the producer fills a fresh cache each run. "
+            f"In-run teacher share: make_views + forward time / loop time inside the producer itself (best "
+            f"run: {prod['teacher_s']:.2f} of {loop_s:.2f} s); the rest of its loop is the store. "
+            + busy_text(busy))
+    return res, table, note
+
+
+# -- 2. two shards vs one producer ------------------------------------------------------------------
+def bench_shards(root, kids, prefix, dataset_arg, p):
+    n, batch = p["n"], p["batch"]
+    one_runs, two_runs, checks = [], [], []
+    for r in range(p["shard_repeats"]):
+        d1, d2 = fresh_dir(root, "one"), fresh_dir(root, "two")
+        try:
+            def one():
+                s0 = cpu_snapshot()
+                t0 = time.perf_counter()
+                res = kids.run(producer_argv(prefix, dataset_arg, d1, batch), "one producer")
+                wall = time.perf_counter() - t0
+                one_runs.append({"wall_s": wall, "rows_per_s": res["rows_per_s"],
+                                 "cpu": cpu_between(s0, cpu_snapshot())})
+                return res
+
+            def two():
+                s0 = cpu_snapshot()
+                t0 = time.perf_counter()
+                procs = [kids.start(producer_argv(prefix, dataset_arg, d2, batch, f"{i}/2")) for i in range(2)]
+                res = [kids.finish(pr, f"producer shard {i}/2") for i, pr in enumerate(procs)]
+                wall = time.perf_counter() - t0
+                two_runs.append({"wall_s": wall, "rows_per_s": [x["rows_per_s"] for x in res],
+                                 "seconds": [x["seconds"] for x in res], "cpu": cpu_between(s0, cpu_snapshot())})
+                return res
+
+            if r % 2 == 0:
+                r1, r2 = one(), two()
+            else:
+                r2, r1 = two(), one()
+            log(f"  one: {one_runs[-1]['wall_s']:.2f} s wall, {one_runs[-1]['rows_per_s']:.0f} rows/s; two: "
+                f"{two_runs[-1]['wall_s']:.2f} s wall, {sum(two_runs[-1]['rows_per_s']):.0f} rows/s summed "
+                f"(other processes: {one_runs[-1]['cpu']['other_cores'] or 0:.2f} / "
+                f"{two_runs[-1]['cpu']['other_cores'] or 0:.2f} cores)")
+            if not r1["complete"]:
+                raise RuntimeError(f"bench: the single producer left an incomplete cache: {r1}")
+            written = sum(x["rows_written"] for x in r2)
+            path2 = next((x["cache_path"] for x in r2 if x["complete"]), None)
+            logits1, _, _ = read_cache(r1["cache_path"])
+            chk = {"rows_written": written, "shards_reporting_complete": sum(bool(x["complete"]) for x in r2),
+                   "same_fingerprint": r1["fingerprint"] == r2[0]["fingerprint"] == r2[1]["fingerprint"]}
+            if path2 is None or not os.path.exists(path2):
+                chk.update(complete=False, identical=False, equal=False)
+            else:
+                logits2, flag, done = read_cache(path2)
+                chk.update(complete=bool(flag and done and written == n), **compare_logits(logits1, logits2),
+                           cache_bytes=os.path.getsize(path2))
+            chk["ok"] = bool(chk["complete"] and chk["equal"] and chk["same_fingerprint"])
+            checks.append(chk)
+        finally:
+            shutil.rmtree(d1, ignore_errors=True)
+            shutil.rmtree(d2, ignore_errors=True)
+    w1, w2 = min(x["wall_s"] for x in one_runs), min(x["wall_s"] for x in two_runs)
+    a1, a2 = max(x["rows_per_s"] for x in one_runs), max(sum(x["rows_per_s"]) for x in two_runs)
+    ratio, ratio_agg = w1 / w2, a2 / a1
+    equal = all(c["ok"] for c in checks)
+    identical = all(c.get("identical") for c in checks)
+    busy = busy_summary(one_runs + two_runs)
+    own2 = max((x["cpu"]["own_cores"] or 0) for x in two_runs)
+    res = {"n": n, "batch": batch, "threads_per_process": THREADS, "repeats": p["shard_repeats"],
+           "one_producer_runs": one_runs, "two_shard_runs": two_runs,
+           "wall_s_best": {"one": w1, "two": w2},
+           "rows_per_s_wall_best": {"one": n / w1, "two": n / w2},
+           "rows_per_s_aggregate_best": {"one": a1, "two": a2},
+           "two_shards_vs_one": ratio, "two_shards_vs_one_aggregate": ratio_agg,
+           "two_shard_cache_equal": equal, "two_shard_cache_identical": identical, "checks": checks,
+           "two_shard_own_cores_best": own2, **busy,
+           "statistic": "best of the interleaved repeats (shortest wall, highest rows/s)"}
+    worst = max(checks, key=lambda c: c.get("max_diff_in_float16_steps") or 0)
+    table = md_table(
+        ["N x C (fp16)", "measure", "one producer", "two shards", "two / one", "floor", "verdict"],
+        [[f"{n:,} x {CLASSES}", "wall s (start to end of both)", f"{w1:.2f}", f"{w2:.2f}", "", "", ""],
+         ["", "rows/s from wall", rate(n / w1), rate(n / w2), f"{ratio:.2f}",
+          f">= {FLOORS['two_shards_vs_one']}", verdict(ratio, FLOORS["two_shards_vs_one"])],
+         ["", "rows/s reported (loops; two summed)", rate(a1), rate(a2), f"{ratio_agg:.2f}",
+          f">= {FLOORS['two_shards_vs_one_aggregate']}", verdict(ratio_agg, FLOORS["two_shards_vs_one_aggregate"])],
+         ["", "2-shard cache complete, logits equal", "", "yes" if equal else "NO", "", "",
+          "PASS" if equal else "MISS"]])
+    note = (f"`--threads {THREADS}` per process on {os.cpu_count()} CPUs, a fresh cache each run, best of "
+            f"{p['shard_repeats']} interleaved run(s). Wall time includes each process's start-up (MXNet "
+            f"import, data set load, teacher digest) and the compaction the last shard does; the reported rows/s "
+            f"are each process's work loop only, summed for the two shards. The two shard processes used "
+            f"{own2:.2f} cores on average over their wall time (best run). Logits (h5py, dataset 'logits', float16 "
+            f"as stored): {'bitwise identical' if identical else 'not bitwise identical'}; "
+            f"{worst.get('rows_differing')} row(s) differ, by at most {worst.get('max_diff_in_float16_steps') or 0:.0f} "
+            f"float16 step ({worst.get('max_abs_diff') or 0:.2g}); equal means within one step, since the "
+            f"teacher's float32 output depends in its last bits on the row's position in the batch. "
+            + busy_text(busy))
+    return res, table, note
+
+
+# -- main -----------------------------------------------------------------------------------------
+def main(argv=None):
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.producer",
+        description="kdcache producer benchmarks: the cache builder vs the bare teacher forward (1 thread), "
+                    "two shards on two cores vs one producer. Prints markdown tables and writes a JSON report.")
+    ap.add_argument("--quick", action="store_true", help="smaller data set, fewer repeats (figures are noisier)")
+    ap.add_argument("--out", default=DEFAULT_OUT, help=f"JSON report path (default {DEFAULT_OUT})")
+    ap.add_argument("--tmp", default=None, help="directory for the temporary teacher and caches (default: the "
+                                                "system temp dir); everything written there is removed")
+    ap.add_argument("--child", choices=["export", "bare"], help=argparse.SUPPRESS)
+    ap.add_argument("--teacher", help=argparse.SUPPRESS)
+    ap.add_argument("--dataset", help=argparse.SUPPRESS)
+    ap.add_argument("--batch-size", type=int, default=128, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child == "export":
+        child_export(args.teacher)
+        return 0
+    if args.child == "bare":
+        child_bare(args.teacher, args.dataset, args.batch_size)
+        return 0
+
+    p = QUICK if args.quick else FULL
+    dataset_arg = f"synthetic:n={p['n']},classes={CLASSES},shape={SHAPE}"
+    m = machine()
+    try:
+        from importlib.metadata import version
+        m["mxnet"] = version("mxnet")
+    except Exception:  # the report still names everything else
+        m["mxnet"] = "?"
+    m["omp_num_threads"] = str(THREADS)  # what every MXNet child runs with
+    t_start = time.perf_counter()
+    if args.tmp:
+        os.makedirs(args.tmp, exist_ok=True)
+    root = tempfile.mkdtemp(prefix="kdcache-bench-producer-", dir=args.tmp)
+    kids = Children()
+    sections = []
+    try:
+        log(f"{'quick' if args.quick else 'full'} run, {dataset_arg}, temp dir {root}")
+        prefix = os.path.join(root, "teacher", "benchteacher")
+        os.makedirs(os.path.dirname(prefix))
+        teacher = kids.run([sys.executable, "-m", "bench.producer", "--child", "export", "--teacher", prefix],
+                           "teacher export")
+        log("1/2 producer vs bare teacher forward")
+        r1, t1, n1 = bench_overhead(root, kids, prefix, dataset_arg, p)
+        sections.append(("1. Producer vs bare teacher forward (1 thread each)", t1, n1))
+        log("2/2 two shards vs one producer")
+        r2, t2, n2 = bench_shards(root, kids, prefix, dataset_arg, p)
+        sections.append(("2. Two shards on two cores vs one producer", t2, n2))
+    finally:
+        kids.stop_all()
+        shutil.rmtree(root, ignore_errors=True)
+    runtime = time.perf_counter() - t_start
+
+    n, c = p["n"], CLASSES
+    cache_bytes = r1["cache_bytes"]
+    t3 = md_table(["cache (N x C, fp16)", "bytes", "bytes/row", "teacher forward ms/batch (median)",
+                   "make_views ms/batch", "batch", "teacher parameters"],
+                  [[f"{n:,} x {c}", f"{cache_bytes:,}", f"{cache_bytes / n:.1f}",
+                    f"{r1['bare_forward_ms_per_batch_median']:.1f}", f"{r1['bare_make_views_ms_per_batch_median']:.2f}",
+                    p["batch"], f"{teacher['parameters']:,}"]])
+    n3 = (f"Finished .h5 of a section 1 run (logits as float16 plus the 1-byte done flag per row and HDF5 "
+          f"metadata). Forward and make_views times: median over the full batches of the best bare run, "
+          f"1 thread. Teacher: Conv-BN-ReLU-MaxPool x {len(TEACHER_WIDTHS)} (widths "
+          f"{', '.join(map(str, TEACHER_WIDTHS))}), global average pool, Dense({c}).")
+    sections.append(("3. Cache size and teacher forward time", t3, n3))
+
+    ratios = {"producer_vs_bare_forward": r1["producer_vs_bare_forward"],
+              "two_shards_vs_one": r2["two_shards_vs_one"],
+              "two_shards_vs_one_aggregate": r2["two_shards_vs_one_aggregate"]}
+    verdicts = {k: verdict(v, FLOORS[k]) for k, v in ratios.items()}
+    report = {
+        **ratios,
+        "two_shard_cache_equal": r2["two_shard_cache_equal"],
+        "two_shard_cache_identical": r2["two_shard_cache_identical"],
+        "rows_per_s": {"bare_forward": r1["rows_per_s_best"]["bare"],
+                       "producer": r1["rows_per_s_best"]["producer"],
+                       "one_producer_wall": r2["rows_per_s_wall_best"]["one"],
+                       "two_shards_wall": r2["rows_per_s_wall_best"]["two"],
+                       "one_producer_reported": r2["rows_per_s_aggregate_best"]["one"],
+                       "two_shards_reported_sum": r2["rows_per_s_aggregate_best"]["two"]},
+        "cache_bytes": cache_bytes,
+        "cache_bytes_per_row": cache_bytes / n,
+        "teacher_forward_ms_per_batch": r1["bare_forward_ms_per_batch_median"],
+        "other_processes_cores_mean": {"producer_vs_bare_forward": r1["other_cores_mean"],
+                                       "two_shards_vs_one": r2["other_cores_mean"]},
+        "floors": {k: {"op": ">=", "value": v} for k, v in FLOORS.items()},
+        "verdicts": verdicts,
+        "all_pass": all(v == "PASS" for v in verdicts.values()) and r2["two_shard_cache_equal"],
+        "sections": {"producer_vs_bare_forward": r1, "two_shards_vs_one": r2},
+        "teacher": {"widths": list(TEACHER_WIDTHS), "classes": c, "shape": SHAPE, **teacher},
+        "dataset": dataset_arg,
+        "machine": m,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "quick": bool(args.quick),
+        "runtime_s": runtime,
+    }
+
+    print(f"# kdcache producer benchmark ({'quick' if args.quick else 'full'} run, {runtime:.0f} s)\n")
+    print(machine_line(m) + f", MXNet {m['mxnet']}\n")
+    for title, table, note in sections:
+        print(f"## {title}\n\n{table}\n\n{note}\n")
+    others = [v for v in (r1["other_cores_mean"], r2["other_cores_mean"]) if v is not None]
+    if others and max(others) > BUSY_CORES:
+        print(f"Warning: other processes kept {max(others):.2f} of {os.cpu_count()} cores busy on average during "
+              f"a section; the figures understate this machine (section 2 most: it needs both cores).\n")
+    missed = [k for k, v in verdicts.items() if v != "PASS"]
+    if not r2["two_shard_cache_equal"]:
+        missed.append("two_shard_cache_equal")
+    print("All floors met." if not missed else f"Floors missed: {', '.join(missed)}.")
+
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    tmp = args.out + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(report, fh, indent=1, default=_json_default)
+        fh.write("\n")
+    os.replace(tmp, args.out)
+    print(f"Report: {args.out}")
+    return 0
+
+
+def _json_default(x):
+    if isinstance(x, np.generic):
+        return x.item()
+    raise TypeError(f"{type(x).__name__} is not JSON serializable")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,192 @@
+"""trainer: the KD loss, cache vs inline parity, reuse, online producer, resume, Module API, errors."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from tests.conftest import ROOT
+
+ENV = {**os.environ, "PYTHONPATH": ROOT, "MXNET_SUBGRAPH_VERBOSE": "0"}
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory):
+    """A small digits teacher trained for a few epochs (real, if weak, soft targets)."""
+    prefix = str(tmp_path_factory.mktemp("teacher") / "digits")
+    r = subprocess.run([sys.executable, "-m", "trainer.make_teacher", "--out", prefix, "--epochs", "3", "--quiet",
+                        "--threads", "1"], env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return prefix
+
+
+def train(tmp_path, *args, check=True, timeout=600):
+    r = subprocess.run([sys.executable, "-m", "trainer", "--quiet", "--json", "--runs-dir", str(tmp_path / "runs"),
+                        "--cache-dir", str(tmp_path / "caches"), *map(str, args)],
+                       env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    if check:
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])
+    return r
+
+
+def params(run_dir, epoch):
+    import mxnet as mx
+    return {k: v.asnumpy() for k, v in mx.nd.load(os.path.join(run_dir, f"student-{epoch:04d}.params")).items()}
+
+
+# --- the loss --------------------------------------------------------------------------------
+def test_kd_loss_matches_the_formula():
+    import mxnet as mx
+    from trainer.loss import KDLoss
+    rng = np.random.default_rng(0)
+    s, t = rng.normal(size=(5, 7)).astype(np.float32), rng.normal(size=(5, 7)).astype(np.float32) * 3
+    y = rng.integers(0, 7, 5)
+    T, a = 4.0, 0.7
+
+    def logsm(z):
+        z = z - z.max(1, keepdims=True)
+        return z - np.log(np.exp(z).sum(1, keepdims=True))
+    kl = (np.exp(logsm(t / T)) * (logsm(t / T) - logsm(s / T))).sum(1)
+    ce = -logsm(s)[np.arange(5), y]
+    got = KDLoss(T, a)(mx.nd.array(s), mx.nd.array(t), mx.nd.array(y)).asnumpy()
+    assert np.allclose(got, a * T * T * kl + (1 - a) * ce, rtol=1e-4)
+    assert np.allclose(KDLoss(T, 0.0)(mx.nd.array(s), mx.nd.array(t), mx.nd.array(y)).asnumpy(), ce, rtol=1e-5)
+    # the teacher's own logits as the student's: the soft term vanishes
+    assert np.allclose(KDLoss(T, 1.0)(mx.nd.array(t), mx.nd.array(t), mx.nd.array(y)).asnumpy(), 0, atol=1e-5)
+
+
+# --- end to end ------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_cache_and_inline_give_the_same_student_and_the_cache_is_reused(teacher, tmp_path):
+    common = ["--teacher", teacher, "--epochs", 2, "--seed", 3, "--dtype", "float32", "--threads", 1,
+              "--producer-threads", 1, "--temperature", 4, "--alpha", 0.7]
+    cached = train(tmp_path, *common, "--run", "cached")
+    assert cached["producer_started"] and cached["teacher_forwards"] == 1438
+    inline = train(tmp_path, *common, "--teacher-mode", "inline", "--run", "inline")
+    assert inline["teacher_forwards"] == 2 * 1438
+    a, b = params(tmp_path / "runs" / "cached", 1), params(tmp_path / "runs" / "inline", 1)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert np.abs(a[k] - b[k]).max() <= 1e-6, k
+    assert cached["test_acc"] == inline["test_acc"]
+    assert cached["teacher_test_acc"] == pytest.approx(inline["teacher_test_acc"])
+    # another experiment (student, temperature, alpha) reuses the cache: the teacher runs zero times
+    again = train(tmp_path, "--teacher", teacher, "--epochs", 1, "--dtype", "float32", "--student", "small_cnn",
+                  "--temperature", 2, "--alpha", 0.9, "--run", "again")
+    assert again["fingerprint"] == cached["fingerprint"] and again["cache_path"] == cached["cache_path"]
+    assert again["teacher_forwards"] == 0 and not again["producer_started"]
+    m = json.load(open(tmp_path / "runs" / "again" / "metrics.json"))
+    for k in ("test_acc", "samples_per_s", "teacher_forwards", "stall_s", "cache_path", "fingerprint"):
+        assert k in m
+
+
+@pytest.mark.slow
+def test_views_topk_and_ring(teacher, tmp_path):
+    """Two augmented views from a topk cache, and the same run streamed through the ring."""
+    m = train(tmp_path, "--teacher", teacher, "--epochs", 3, "--views", 2, "--codec", "topk:3", "--run", "v")
+    assert m["teacher_forwards"] == 2 * 1438 and 0 <= m["test_acc"] <= 1
+    r = train(tmp_path, "--teacher", teacher, "--epochs", 2, "--store", "ring", "--ring-capacity", 256, "--run", "ring")
+    assert r["cache_path"] is None and r["teacher_forwards"] == 2 * 1438
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"kdcache-ring-") and "-ring" in f and
+                f.endswith("-ring")], "the ring is removed after the run"
+
+
+@pytest.mark.slow
+def test_resume_continues_an_interrupted_run_to_the_same_student(teacher, tmp_path):
+    base = ["--teacher", teacher, "--teacher-mode", "none", "--seed", 1, "--threads", 1]
+    train(tmp_path, *base, "--epochs", 4, "--run", "full")
+    first = train(tmp_path, *base, "--epochs", 2, "--run", "cut")
+    assert len(first["history"] if "history" in first else json.load(open(tmp_path / "runs/cut/metrics.json"))["history"]) == 2
+    r = train(tmp_path, *base, "--epochs", 4, "--run", "cut", check=False)
+    assert r.returncode == 2 and "--resume" in r.stderr
+    train(tmp_path, *base, "--epochs", 4, "--run", "cut", "--resume")
+    hist = json.load(open(tmp_path / "runs/cut/metrics.json"))["history"]
+    assert [h["epoch"] for h in hist] == [0, 1, 2, 3]
+    a, b = params(tmp_path / "runs" / "full", 3), params(tmp_path / "runs" / "cut", 3)
+    for k in a:
+        assert np.abs(a[k] - b[k]).max() <= 1e-6, k
+
+
+@pytest.mark.slow
+def test_a_producer_that_dies_ends_training_with_a_clear_error(teacher, tmp_path):
+    """Kill the producer the trainer started: the trainer stops within seconds, no hang."""
+    args = ["--teacher", teacher, "--dataset", "synthetic:n=60000,classes=10,shape=1x8x8", "--epochs", 1,
+            "--batch-size", 32, "--threads", 1, "--quiet", "--runs-dir", str(tmp_path / "runs"),
+            "--cache-dir", str(tmp_path / "caches"), "--run", "victim"]
+    p = subprocess.Popen([sys.executable, "-m", "trainer", *map(str, args)], env=ENV, cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    from store.segment import lock_holders
+    deadline = time.monotonic() + 120
+    holders = []
+    while not holders and time.monotonic() < deadline:
+        parts = [os.path.join(tmp_path, "caches", d) for d in os.listdir(tmp_path / "caches")] \
+            if (tmp_path / "caches").exists() else []
+        holders = [h for d in parts if d.endswith(".parts") for _, h in lock_holders(d)]
+        time.sleep(0.1)
+    assert holders, "the trainer started no producer"
+    # wait until the producer gets its first rows out, then kill it
+    time.sleep(1.0)
+    os.kill(holders[0]["pid"], signal.SIGKILL)
+    t = time.monotonic()
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 2, err[-2000:]
+    assert time.monotonic() - t < 20
+    assert "no producer is running" in err and "Traceback" not in err
+
+
+def test_module_api_trains_with_soft_target_iter(tmp_path):
+    import mxnet as mx
+    from pipeline import load_dataset
+    from store import CacheSpec, CacheWriter, CacheReader, path_for
+    from trainer import SoftTargetIter, kd_symbol
+    ds = load_dataset("digits")
+    # soft targets: a one-hot-ish "teacher" from the labels, enough to check the plumbing learns
+    spec = CacheSpec(num_samples=len(ds), num_classes=10, dtype="float32", inputs={"teacher": "labels"})
+    p = path_for(str(tmp_path), spec.fingerprint)
+    with CacheWriter(p, spec) as w:
+        w.write(np.arange(len(ds)), np.eye(10, dtype=np.float32)[ds.labels] * 8)
+    it = SoftTargetIter(ds, CacheReader(p), batch_size=64, seed=0)
+    b = it.next()
+    assert [d.name for d in it.provide_label] == ["softmax_label", "soft_label"]
+    assert b.label[1].shape == (64, 10) and np.array_equal(b.label[1].asnumpy().argmax(1), b.label[0].asnumpy())
+    data = mx.sym.var("data")
+    h = mx.sym.relu(mx.sym.FullyConnected(mx.sym.flatten(data), num_hidden=32, name="fc1"))
+    sym = kd_symbol(mx.sym.FullyConnected(h, num_hidden=10, name="fc2"), temperature=4.0, alpha=0.7)
+    mod = mx.mod.Module(sym, data_names=["data"], label_names=["softmax_label", "soft_label"])
+
+    class Acc(mx.metric.EvalMetric):
+        def __init__(self):
+            super().__init__("acc")
+
+        def update(self, labels, preds):
+            self.sum_metric += float((preds[1].asnumpy().argmax(1) == labels[0].asnumpy()).sum())
+            self.num_inst += len(labels[0])
+    mx.random.seed(0)
+    it.reset()
+    mod.fit(it, num_epoch=6, optimizer="adam", optimizer_params={"learning_rate": 5e-3}, eval_metric=Acc(),
+            initializer=mx.init.Xavier())
+    assert mod.score(it, Acc())[0][1] > 0.9
+
+
+def test_bad_options(tmp_path):
+    r = train(tmp_path, "--run", "../escape", "--teacher-mode", "none", check=False)
+    assert r.returncode == 2 and "--run" in r.stderr
+    r = train(tmp_path, "--ctx", "gpu:3", "--teacher-mode", "none", check=False)
+    assert r.returncode == 2 and "GPU" in r.stderr
+    r = train(tmp_path, "--teacher", str(tmp_path / "nothing"), check=False)
+    assert r.returncode == 2 and "not found" in r.stderr and "Traceback" not in r.stderr
+    r = train(tmp_path, "--dataset", "synthetic:n=100", "--teacher-mode", "inline", check=False)
+    assert r.returncode == 2 and "--teacher" in r.stderr
+
+
+def test_help():
+    r = subprocess.run([sys.executable, "-m", "trainer", "--help"], capture_output=True, text=True, env=ENV, cwd=ROOT)
+    for opt in ("--dataset", "--student", "--teacher", "--cache", "--cache-dir", "--views", "--codec", "--temperature",
+                "--alpha", "--epochs", "--batch-size", "--seed", "--ctx", "--threads", "--teacher-mode",
+                "--no-producer", "--resume", "--run"):
+        assert opt in r.stdout

@@ -94,8 +94,10 @@ def load_digits(split="train"):
 # --- synthetic: deterministic, any size, learnable --------------------------------------------
 def load_synthetic(split="train", n=10000, classes=10, shape=(3, 32, 32), seed=0):
     """Class prototypes plus noise, as uint8 images; deterministic in (n, classes, shape, seed).
-    The test split uses other noise and labels, same prototypes."""
+    The test split (n // 5 samples, at least 1) uses other noise and labels, same prototypes."""
     shape = tuple(int(s) for s in shape)
+    if split == "test":
+        n = max(1, n // 5)
     d = int(np.prod(shape))
     protos = np.random.default_rng([seed, 0]).uniform(40, 215, size=(classes, d)).astype(np.float32)
     rng = np.random.default_rng([seed, 1 if split == "train" else 2])

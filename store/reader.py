@@ -219,6 +219,8 @@ class CacheReader:
         if lock_holders(self.parts, self.heartbeat_timeout):
             self.grace_until = 0.0
             return True
+        if self._segs or list_segments(self.parts):
+            self.grace_until = 0.0  # a producer has started writing: it is no longer starting
         return time.monotonic() < self.grace_until
 
     # -- reading ------------------------------------------------------------------------------

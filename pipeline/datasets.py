@@ -11,14 +11,25 @@ import struct
 import zlib
 
 import numpy as np
-from mxnet import gluon
+
+
+class Dataset:
+    """gluon.data.Dataset's protocol (__getitem__ -> (x, label), __len__), so gluon's DataLoader
+    takes these data sets; not a subclass, so that loading array data sets and fingerprinting
+    them does not import MXNet (the trainer fixes its thread count before MXNet loads)."""
+
+    def __getitem__(self, idx):
+        raise NotImplementedError
+
+    def __len__(self):
+        raise NotImplementedError
 
 
 class DatasetError(ValueError):
     """A data set cannot be loaded; the message names the cause and the fix."""
 
 
-class ArrayDataset(gluon.data.Dataset):
+class ArrayDataset(Dataset):
     """A data set held in RAM as uint8 or float arrays (N, C, H, W) with integer labels."""
 
     def __init__(self, name, split, data, labels, num_classes, scale, digest=None, params=None):
@@ -257,7 +268,7 @@ def load_npz(path, split="train", num_classes=None):
 
 
 # --- decoded image formats: RecordIO and image folders ---------------------------------------
-class DecodedDataset(gluon.data.Dataset):
+class DecodedDataset(Dataset):
     """Images decoded by MXNet on demand, resized to `size`; the file handle opens lazily per
     process (as MXRecordIO does after a fork)."""
 

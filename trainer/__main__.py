@@ -5,11 +5,39 @@ import os
 import sys
 
 
+def cache_complete(args):
+    """Whether the cache these options name is already complete (then no producer will run).
+    Decided without MXNet for array data sets; False when that cannot be known cheaply."""
+    if args.store != "cache":
+        return False
+    try:
+        import os.path
+        from pipeline.cachespec import build_spec, parse_teacher_arg, resolve_augment, teacher_identity
+        from pipeline.datasets import load_dataset
+        from store import path_for, registry
+        from trainer.options import DEFAULT_TEACHER
+        if args.dataset.split(":")[0] in ("recordio", "imagefolder"):
+            return False  # decoding them loads MXNet: keep the split
+        prefix, epoch = parse_teacher_arg(args.teacher or DEFAULT_TEACHER)
+        train = load_dataset(args.dataset, data_root=args.data_root, split="train", num_classes=args.num_classes)
+        size = tuple(int(v) for v in args.teacher_size.lower().split("x")) if args.teacher_size else None
+        fl = lambda v: None if v is None else [float(x) for x in v.split(",")]
+        tid = teacher_identity(prefix, epoch, input_name=args.teacher_input, mean=fl(args.teacher_mean),
+                               std=fl(args.teacher_std), size=size)
+        spec = build_spec(tid, train, views=args.views, augment=resolve_augment(args.augment, train.name, args.views),
+                          seed=args.seed, codec=args.codec, dtype=args.dtype)
+        base = registry.base_path(args.cache) if args.cache != "auto" else path_for(args.cache_dir, spec.fingerprint)
+        return os.path.exists(registry.final_path(base))
+    except Exception:
+        return False  # the run itself reports what is wrong
+
+
 def split_threads(args, cores):
-    """Trainer threads: all cores when no producer runs beside it, else the cores it leaves."""
+    """Trainer threads: all cores when no producer runs beside it (no teacher, inline, a complete
+    cache, --no-producer), else the cores the producer leaves."""
     if args.threads:
         return args.threads
-    if args.teacher_mode != "cache" or args.no_producer:
+    if args.teacher_mode != "cache" or args.no_producer or cache_complete(args):
         return cores
     return max(1, cores - (args.producer_threads or 1))
 

@@ -52,6 +52,8 @@ def parse_args(argv=None):
                    "(pure streaming: keys are (sample, epoch), nothing is persisted; implies --online)")
     g.add_argument("--ring-capacity", type=int, metavar="ROWS",
                    help="create the ring with this many rows (default: attach to the ring the trainer made)")
+    p.add_argument("--timeline", metavar="FILE", help="with --online/--ring: write (time, schedule position, rows) "
+                   "per step to FILE as JSON when done")
     p.add_argument("--json", action="store_true", help="end with one JSON line: cache_path, fingerprint, rows_written, ...")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p.parse_args(argv)
@@ -111,6 +113,13 @@ def main(argv=None):
         return 130
 
 
+def write_timeline(path, timeline):
+    if path and timeline is not None:
+        with open(path + ".tmp", "w") as fh:
+            json.dump({"columns": ["time", "position", "rows"], "steps": timeline}, fh)
+        os.replace(path + ".tmp", path)
+
+
 def run(args, log):
     from cache_builder.produce import CacheSink, produce_offline, produce_online
     from pipeline.teacher import Teacher
@@ -137,8 +146,12 @@ def run(args, log):
              spec.codec, spec.dtype)
     result = {"cache_path": path + ".h5", "fingerprint": spec.fingerprint, "rows_written": 0,
               "teacher_forwards": 0, "reused": False, "complete": False, "shard": args.shard}
+    timeline = [] if args.timeline else None
     if args.ring:
-        return run_ring(args, log, prefix, epoch, mean, std, size, dataset, augment, spec, result)
+        try:
+            return run_ring(args, log, prefix, epoch, mean, std, size, dataset, augment, spec, result, timeline)
+        finally:
+            write_timeline(args.timeline, timeline)
     writer = CacheWriter(path, spec, shard=shard)
     try:
         if writer.complete or writer.remaining == 0:
@@ -153,7 +166,8 @@ def run(args, log):
             check_classes(teacher, dataset)
             if args.online:
                 stats = produce_online(teacher, dataset, CacheSink(writer), seed=args.seed, augment=augment,
-                                       batch_size=args.batch_size, epochs=args.epochs, progress=not args.quiet)
+                                       batch_size=args.batch_size, epochs=args.epochs, progress=not args.quiet,
+                                       timeline=timeline)
             else:
                 stats = produce_offline(teacher, dataset, writer, seed=args.seed, augment=augment,
                                         batch_size=args.batch_size, progress=not args.quiet)
@@ -162,6 +176,8 @@ def run(args, log):
     except BaseException:
         writer.abort()  # committed rows stay; nothing half-written is ever marked done
         raise
+    finally:
+        write_timeline(args.timeline, timeline)
     complete = writer.close()
     result.update(complete=bool(complete), seconds=round(time.perf_counter() - t0, 3),
                   cache_path=path + ".h5" if complete else path + ".parts")
@@ -185,7 +201,7 @@ def check_classes(teacher, dataset):
                            f"{dataset.num_classes}: pass the teacher trained for this data set (or --num-classes)")
 
 
-def run_ring(args, log, prefix, epoch, mean, std, size, dataset, augment, spec, result):
+def run_ring(args, log, prefix, epoch, mean, std, size, dataset, augment, spec, result, timeline):
     """Stream the schedule's targets into a shared-memory ring (the trainer reads and frees them)."""
     from cache_builder.produce import RingSink, produce_online
     from pipeline.teacher import Teacher
@@ -201,7 +217,8 @@ def run_ring(args, log, prefix, epoch, mean, std, size, dataset, augment, spec, 
                           batch_size=args.batch_size)
         check_classes(teacher, dataset)
         stats = produce_online(teacher, dataset, RingSink(ring, spec), seed=args.seed, augment=augment,
-                               batch_size=args.batch_size, epochs=args.epochs, progress=not args.quiet)
+                               batch_size=args.batch_size, epochs=args.epochs, progress=not args.quiet,
+                               timeline=timeline)
         ok = True
     finally:
         ring.close(finished=ok)

@@ -102,12 +102,13 @@ class RingSink:
 
 
 def produce_online(teacher, dataset, sink, *, seed, augment, batch_size, epochs, start_epoch=0,
-                   progress=True, report_every_s=0.5):
+                   progress=True, report_every_s=0.5, timeline=None):
     """Follow the training schedule: each step's keys, skipping those already cached.
 
     With a persistent cache the producer runs as far ahead as it can; with the ring buffer the
     writer blocks when the ring is full (back-pressure). The trainer's position, when it
-    reports one, is shown as the producer's lead in steps.
+    reports one, is shown as the producer's lead in steps. `timeline`, a list, receives
+    (unix time, schedule position, rows computed) after each step.
     """
     spec = sink.spec
     n = spec.num_samples
@@ -126,6 +127,8 @@ def produce_online(teacher, dataset, sink, *, seed, augment, batch_size, epochs,
                 stats.teacher_seconds += time.perf_counter() - t1
                 stats.teacher_forwards += idx.size
                 stats.rows_written += sink.write(idx, logits, st.view, st.epoch)
+            if timeline is not None:
+                timeline.append((round(time.time(), 4), int(st.position), int(need.sum())))
             bar.update(1)
             now = time.perf_counter()
             if now >= next_report and sink.base is not None:

@@ -83,6 +83,8 @@ def producer_command(args, prefix, epoch, spec_path, *, split="train", online=Tr
                      ("--teacher-size", args.teacher_size)):
         if val is not None:
             cmd += [opt, str(val)]
+    if online:
+        cmd += ["--timeline", os.path.join(args.runs_dir, args.run_name, "producer-timeline.json")]
     if ring is not None:
         cmd += ["--ring", ring, "--epochs", str(args.epochs)]
     else:
@@ -244,6 +246,7 @@ def run(args, threads, cores):
     if os.sep in run_name or run_name in (".", "..") or not run_name.replace("-", "").replace("_", "").replace(".", "").isalnum():
         raise TrainError(f"--run {run_name!r}: use letters, digits, '-', '_' and '.' only")
     run_dir = os.path.join(args.runs_dir, run_name)
+    args.run_name = run_name
     if os.path.exists(os.path.join(run_dir, "state.json")) and not args.resume:
         raise TrainError(f"run {run_dir} exists: pass --resume to continue it or another --run name")
     os.makedirs(run_dir, exist_ok=True)
@@ -349,6 +352,7 @@ def run(args, threads, cores):
     train_s = 0.0
     metrics = {}
     pf = None
+    timeline = []  # (unix time, schedule position, seconds this step waited): runs/<run>/timeline.json
     try:
         for epoch in range(start_epoch, args.epochs):
             steps = schedule(args.seed, epoch + 1, n, args.batch_size, args.views, start_epoch=epoch)
@@ -357,7 +361,7 @@ def run(args, threads, cores):
             bar = tqdm(total=spe, desc=f"epoch {epoch + 1}/{args.epochs}", unit="step", disable=args.quiet,
                        dynamic_ncols=True, leave=not args.quiet)
             t0 = time.perf_counter()
-            tot_loss, last_report = 0.0, 0.0
+            tot_loss, last_report, stall_before = 0.0, 0.0, 0.0
             try:
                 for st, x, y, t in pf:
                     if mode == "inline":
@@ -372,6 +376,8 @@ def run(args, threads, cores):
                     trainer.step(x.shape[0])
                     tot_loss += sum(float(l.sum().asscalar()) for l in losses)
                     seen += x.shape[0]
+                    timeline.append((round(time.time(), 4), int(st.position), round(pf.stall_s - stall_before, 5)))
+                    stall_before = pf.stall_s
                     bar.update(1)
                     now = time.perf_counter()
                     if now - last_report > 0.5:
@@ -430,6 +436,8 @@ def run(args, threads, cores):
         "wall_s": round(time.perf_counter() - t_start, 3), "history": history,
         "checkpoint": os.path.join(run_dir, "student-symbol.json"),
     }
+    with open(os.path.join(run_dir, "timeline.json"), "w") as fh:
+        json.dump({"columns": ["time", "position", "wait_s"], "steps": timeline}, fh)
     with open(os.path.join(run_dir, "metrics.json.tmp"), "w") as fh:
         json.dump(metrics, fh, indent=1)
     os.replace(os.path.join(run_dir, "metrics.json.tmp"), os.path.join(run_dir, "metrics.json"))

@@ -101,11 +101,16 @@ def main(argv=None):
     from store import StoreError
     from pipeline.datasets import DatasetError
     from pipeline.cachespec import TeacherError
-    writer = None
     try:
         return run(args, log)
     except (StoreError, DatasetError, TeacherError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
+        if isinstance(e, StoreError):
+            # After a failed write (full disk) HDF5's own clean-up at interpreter exit can crash;
+            # every committed row is on disk already, so leave without it.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(2)
         return 2
     except KeyboardInterrupt:
         print("interrupted: every row written so far is kept; run the same command again to resume",

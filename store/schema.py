@@ -13,6 +13,8 @@ Key space: (sample index, view); the flat key is ``index * views + view``.
 """
 import json
 
+import numpy as np
+
 FORMAT_VERSION = 1  # bump when a file written by this code cannot be read by older code
 
 # --- file names -------------------------------------------------------------------------
@@ -76,8 +78,15 @@ def meta_from_attrs(attrs):
     for k, v in attrs.items():
         if hasattr(v, "item") and getattr(v, "shape", None) == ():
             v = v.item()
-        if isinstance(v, bytes):
-            v = v.decode("utf-8")
+        if isinstance(v, np.void):
+            v = v.tobytes()
+        if isinstance(v, bytes):  # never unpickled: text if it is text, else shown as hex
+            try:
+                v = v.decode("utf-8")
+            except UnicodeDecodeError:
+                v = "0x" + v[:32].hex() + ("..." if len(v) > 32 else "")
+        elif isinstance(v, np.ndarray):
+            v = v.tolist()
         out[k] = v
     if isinstance(out.get(A_INPUTS), str):
         out["inputs"] = json.loads(out[A_INPUTS])

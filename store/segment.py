@@ -17,6 +17,23 @@ from .errors import UnsupportedFormatError
 HOST = socket.gethostname()
 
 
+def quiet_h5py_dealloc_errors():
+    """After a failed write (disk full), h5py reports each failed close of a dataset handle as an
+    'Exception ignored' traceback on stderr. The writer has already raised one clear error; drop
+    these echoes, let every other unraisable exception through."""
+    import sys
+    if getattr(sys.unraisablehook, "_kdcache", False):
+        return
+    previous = sys.unraisablehook
+
+    def hook(u):
+        if "h5py" in repr(getattr(u, "object", "")) or "_dealloc" in repr(getattr(u, "object", "")):
+            return
+        previous(u)
+    hook._kdcache = True
+    sys.unraisablehook = hook
+
+
 def chunk_rows(bytes_per_row, target=64 * 1024):
     """Rows per HDF5 chunk: ~64 KiB chunks keep appends and partial reads cheap."""
     return max(1, target // max(1, int(bytes_per_row)))

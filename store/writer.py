@@ -6,9 +6,13 @@ segment committed and owes only the rest of its shard's keys. When the last key 
 is done, the segments are compacted into one key-ordered file `P.h5`, written under a
 temporary name, fsynced and renamed: its existence is the whole-cache "complete" marker.
 """
+import contextlib
 import fcntl
+import gc
 import json
 import os
+import re
+import sys
 import threading
 import time
 
@@ -18,14 +22,20 @@ import numpy as np
 from . import schema
 from .errors import (BadInputError, FingerprintMismatchError, StoreError, UnsupportedFormatError,
                      WriterBusyError)
-from .segment import (HOST, committed_rows, create_segment, list_segments, open_final, open_swmr,
+from .segment import (HOST, quiet_h5py_dealloc_errors, committed_rows, create_segment, list_segments, open_final, open_swmr,
                       read_manifest, read_meta, read_segment_rows, write_json_atomic)
 from .fingerprint import is_fingerprint
 from .registry import base_path, final_path, parts_path
 
 
 def _fs_error(e, where, fix):
-    return StoreError(f"{where}: {e.strerror or e} ({type(e).__name__}): {fix}")
+    """One line naming the operating system's reason (h5py's messages hold it as 'error message')."""
+    reason = getattr(e, "strerror", None)
+    if not reason:
+        text = str(e)
+        m = re.search(r"error message = '([^']+)'", text)
+        reason = m.group(1) if m else text.splitlines()[0][:160]
+    return StoreError(f"{where}: {reason} ({type(e).__name__}): {fix}")
 
 
 def check_final_matches(path, spec):
@@ -87,6 +97,7 @@ class CacheWriter:
         self._hb_thread = None
         self.complete = False
         self.segment_path = None
+        self._broken = None
 
         name = os.path.basename(self.base)
         if is_fingerprint(name) and len(name) == len(spec.fingerprint) and name != spec.fingerprint:
@@ -255,16 +266,26 @@ class CacheWriter:
         rows_idx = first[keep]
         keys = keys[keep]
         enc = self.codec.encode(logits[rows_idx], keys=keys)
+        if self._broken:
+            raise StoreError(f"{self.segment_path}: an earlier write failed ({self._broken}); open a new "
+                             f"writer (run the producer again) to go on: it resumes")
         if self._file is None:
             self._open_segment()
-        f = self._file
+        f, ds = self._file, self._dsets
         a, b = self._rows, self._rows + keys.size
-        for name, arr in enc.items():
-            f[name][a:b] = arr
-        f[schema.SEG_KEYS][a:b] = keys
-        f.flush()
-        f[schema.SEG_STATE][schema.STATE_ROWS] = b
-        f.flush()
+        try:
+            for name, arr in enc.items():
+                ds[name][a:b] = arr
+            ds[schema.SEG_KEYS][a:b] = keys
+            f.flush()
+            ds[schema.SEG_STATE][schema.STATE_ROWS] = b
+            f.flush()
+        except (OSError, RuntimeError) as e:  # disk full, size limit, I/O error: committed rows stay sound
+            quiet_h5py_dealloc_errors()
+            self._broken = str(e).splitlines()[0][:200]
+            raise _fs_error(e, self.segment_path, "free disk space (or lift the file size limit), then run "
+                                                  "the producer again: it resumes, and every row committed "
+                                                  "so far is kept") from None
         self._rows = b
         self._todo[keys] = False
         self.rows_written += keys.size
@@ -275,33 +296,51 @@ class CacheWriter:
             self._file, self.segment_path = create_segment(self.parts, self.spec, self.codec,
                                                            int(self._todo.sum()), self.shard, self.nshards)
         except OSError as e:
+            quiet_h5py_dealloc_errors()
             raise _fs_error(e, self.parts, "free disk space or make the cache directory writable, "
                                            "then run the producer again: it resumes") from None
         self._rows = 0
+        # Dataset handles live as long as the segment: a handle closed after each write would
+        # flush (and, on a full disk, fail) out of sight, in h5py's deallocator.
+        self._dsets = {name: self._file[name] for name in self._file}
 
     # -- closing ------------------------------------------------------------------------------
     def close(self):
         """Close the segment; compact the cache when every key is done. Returns `complete`."""
-        if self._file is not None:
-            try:
-                self._file[schema.SEG_STATE][schema.STATE_CLOSED] = 1
-                self._file.flush()
-            finally:
-                self._file.close()
-                self._file = None
-        if not self.complete and self._lock_fh is not None:
-            try:
+        if self._broken:
+            self.abort()
+            raise StoreError(f"{self.segment_path}: a write failed ({self._broken}): free disk space and run "
+                             f"the producer again; the rows committed before it are kept")
+        try:
+            if self._file is not None:
+                try:
+                    self._dsets[schema.SEG_STATE][schema.STATE_CLOSED] = 1
+                    self._file.flush()
+                    self._dsets = None
+                    self._file.close()
+                except (OSError, RuntimeError) as e:
+                    self._broken = str(e).splitlines()[0][:200]
+                    raise _fs_error(e, self.segment_path, "free disk space, then run the producer again: "
+                                                          "it resumes") from None
+                finally:
+                    self._file = None
+            if not self.complete and self._lock_fh is not None:
                 self.complete = finalize(self.base, self.spec, memory_budget=self.memory_budget)
-            finally:
-                self._unlock()
-        self._unlock()
+        finally:
+            self.abort()
         return self.complete
 
     def abort(self):
         """Close without compacting (what a crash leaves, minus the crash)."""
         if self._file is not None:
-            self._file.close()
-            self._file = None
+            with _stderr_silenced(self._broken is not None):
+                self._dsets = None
+                try:
+                    self._file.close()
+                except Exception:  # a flush on a full disk: the committed rows are on disk already
+                    pass
+                self._file = None
+                gc.collect()
         self._unlock()
 
     def __enter__(self):
@@ -313,6 +352,26 @@ class CacheWriter:
         else:
             self.abort()
         return False
+
+
+@contextlib.contextmanager
+def _stderr_silenced(active):
+    """Closing a segment after a failed write makes HDF5 retry its flushes, and h5py prints each
+    failure from a deallocator, straight to file descriptor 2. The writer has already raised one
+    clear error; keep those echoes off the terminal."""
+    if not active:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 
 def finalize(path, spec, *, memory_budget=None):

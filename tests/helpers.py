@@ -20,6 +20,21 @@ def expected_logits(keys, num_classes, scale=6.0):
     return (scale * np.sin(0.7389 * k + 1.618 * c + 0.1 * k * c / (1.0 + c))).astype(np.float32)
 
 
+def gluon_teacher(prefix, classes=10, in_ch=1, seed=0, epoch=0, scale=1.0):
+    """A tiny Gluon CNN teacher for 8x8 images, exported as PREFIX-symbol.json / PREFIX-NNNN.params."""
+    import mxnet as mx
+    from mxnet import gluon
+    mx.random.seed(seed)
+    net = gluon.nn.HybridSequential(prefix="tch_")
+    with net.name_scope():
+        net.add(gluon.nn.Conv2D(4, 3, padding=1, activation="relu"), gluon.nn.Flatten(), gluon.nn.Dense(classes))
+    net.initialize(mx.init.Xavier(magnitude=2.0 * scale))
+    net.hybridize()
+    net(mx.nd.zeros((1, in_ch, 8, 8)))
+    net.export(prefix, epoch=epoch)
+    return net
+
+
 def make_spec(num_samples=500, num_classes=10, views=1, codec="full", dtype="float32", tag="test"):
     return CacheSpec(num_samples=num_samples, num_classes=num_classes, views=views, codec=codec,
                      dtype=dtype, inputs={"teacher": {"name": tag, "digest": "0" * 16},

@@ -11,22 +11,9 @@ import numpy as np
 import pytest
 
 from tests.conftest import ROOT
+from tests.helpers import gluon_teacher
 
 ENV = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "MXNET_SUBGRAPH_VERBOSE": "0"}
-
-
-def gluon_teacher(prefix, classes=10, in_ch=1, seed=0, epoch=0, scale=1.0):
-    import mxnet as mx
-    from mxnet import gluon
-    mx.random.seed(seed)
-    net = gluon.nn.HybridSequential(prefix="tch_")
-    with net.name_scope():
-        net.add(gluon.nn.Conv2D(4, 3, padding=1, activation="relu"), gluon.nn.Flatten(), gluon.nn.Dense(classes))
-    net.initialize(mx.init.Xavier(magnitude=2.0 * scale))
-    net.hybridize()
-    net(mx.nd.zeros((1, in_ch, 8, 8)))
-    net.export(prefix, epoch=epoch)
-    return net
 
 
 def module_teacher(prefix, classes=10, epoch=1):

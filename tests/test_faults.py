@@ -73,7 +73,10 @@ def committed_rows_match_teacher(base, teacher):
             x, _ = load_dataset(SYNTH).get_batch(done)
             want = Teacher(teacher).forward(x).astype(np.float32)
             got = r.get(done, wait=False)
-            assert np.allclose(got, want, atol=1e-5)
+            if r.spec.dtype == "float16":
+                want = want.astype(np.float16).astype(np.float32)
+            # teacher batches differ from the producer's: MKL-DNN may differ in the last bits
+            assert np.allclose(got, want, rtol=2e-3, atol=1e-4)
         return done.size
 
 
@@ -265,7 +268,7 @@ def test_killing_or_interrupting_the_trainer_leaves_nothing_behind(teacher, tmp_
 @pytest.mark.slow
 def test_interrupted_producer_resumes(teacher, tmp_path):
     p = subprocess.Popen([sys.executable, "-m", "cache_builder", "--quiet", "--teacher", teacher, "--dataset", SYNTH,
-                          "--batch-size", 16, "--cache-dir", str(tmp_path)], env=ENV, cwd=ROOT,
+                          "--batch-size", "16", "--cache-dir", str(tmp_path)], env=ENV, cwd=ROOT,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     while not glob.glob(str(tmp_path / "*.parts" / "seg-*")):
         time.sleep(0.05)

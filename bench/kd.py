@@ -1,0 +1,860 @@
+"""KD end to end: the student alone, inline KD, inline on MXNet's async engine, and kdcache (online, warm, ring).
+
+    PYTHONPATH=. python -m bench.kd [--quick] [--out bench/results/kd.json] [--tmp DIR]
+
+This process never imports MXNet; every MXNet process is a child with OMP_NUM_THREADS=1 (the
+only knob that limits MXNet's compute threads, fixed before `import mxnet`). On this CPU-only
+machine two devices are emulated by two cores: where the teacher and the student run apart
+(kdcache's producer and trainer) each gets one core (`--threads 1 --producer-threads 1`);
+where they run together (inline) they share the student's one core, as on one GPU.
+
+Data: `synthetic` 3x32x32, 10 classes, sized so one student epoch takes about EPOCH_S seconds
+(measured, not assumed). Student: `small_cnn`. Two teachers, exported here (explicit prefix,
+fixed seed): a VGG-style CNN whose width (a multiple of 8) and depth are calibrated so that its
+forward of a batch takes about 1/3 (light) or 2x (heavy) the student's training step on the same
+batch, both on one thread; the measured ratios are printed.
+
+Scenarios, for each pair, each with a fresh cache directory where one is used:
+  student_only   python -m trainer --teacher-mode none: the limit any KD method can reach
+  inline         --teacher-mode inline: teacher forward then student step, batch by batch
+  inline_async   a loop here (same data, schedule, student, KDLoss) that issues the teacher's
+                 forward of the next batch before the student's step and never waits for it:
+                 MXNet's asynchronous engine may overlap them. One engine worker (the default):
+                 the student's one core, like `inline`.
+  inline_async_2w  the same with MXNET_CPU_WORKER_NTHREADS=2: the engine may run the teacher
+                 and the student at once on two cores (the core budget of online/ring; informative)
+  online         --teacher-mode cache on a cold cache: the trainer starts the producer
+  warm           a second experiment on the cache `online` completed: no teacher at all
+  ring           --store ring: streamed through shared memory, nothing persisted
+Floors use two more measurements of each pair: "teacher alone" (`python -m cache_builder
+--threads 1` filling the train split offline, its work loop's rows/s -> seconds per epoch) and
+"student alone" (student_only's epoch 1).
+
+Each trainer and producer is watched by a /proc poller (every 0.2 s: VmHWM of the trainer and
+of its children), and the CPU time the other processes of the machine used meanwhile is recorded
+(/proc/stat), so a report taken on a shared machine says how shared it was.
+"""
+import os
+import sys
+
+if __package__ in (None, ""):  # run as a file: import the repo's packages, not this directory's
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import shutil  # noqa: E402
+import signal  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from bench.producer import cpu_between, cpu_snapshot, last_json  # noqa: E402
+from bench.store import machine, machine_line, md_table, verdict  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_OUT = os.path.join("bench", "results", "kd.json")
+PNG_NAME = "kd_online.png"
+CLASSES = 10
+SHAPE = (3, 32, 32)
+BATCH = 128
+STUDENT = "small_cnn"
+THREADS = 1
+SEED = 0
+TARGETS = {"light": 1 / 3, "heavy": 2.0}  # teacher forward / student step, one thread each
+FIRST_SHAPE = {"light": (16, 0), "heavy": (40, 1)}  # the calibration's first guesses (width, extra convs)
+
+# Sizes: full run (~8 min on 2 cores) and --quick (~1.5 min, mostly process start-up).
+FULL = dict(epoch_s=12.0, min_steps=30, max_steps=400, epochs=1, cal_reps=7, cal_tries=4)
+QUICK = dict(epoch_s=1.5, min_steps=6, max_steps=40, epochs=1, cal_reps=3, cal_tries=2)
+
+SCENARIOS = ["student_only", "inline", "inline_async", "inline_async_2w", "online", "warm", "ring"]
+REQUIRED = ["student_only", "inline", "inline_async", "online", "warm", "ring"]
+# Run order per pair: student_only and warm side by side in time (their floor is the tightest).
+ORDER = ["online", "warm", "student_only", "ring", "inline", "inline_async", "inline_async_2w"]
+
+FLOORS = {"warm_vs_student_only": 0.97,           # warm samples/s >= 0.97 x student_only samples/s
+          "epoch1_vs_slowest_stage": 1.10,        # online/ring epoch 1 <= 1.10 x max(teacher alone, student alone)
+          "vs_inline_heavy": 1.5}                 # online/ring samples/s >= 1.5 x inline's, heavy pair
+BUSY_CORES = 0.25  # other processes' average CPU use above which the report warns
+
+
+def log(msg):
+    print(f"[bench.kd {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# -- children: calibration and the inline_async loop (MXNet imported only here) ---------------------
+def teacher_net(width, extra, prefix):
+    """A VGG-style CNN: (Conv-BN-ReLU x2, MaxPool) at widths w, 2w, 4w, then `extra` more
+    Conv-BN-ReLU at 4w (8x8), global average pool, Dense. Its compute is about w^2 (4 + extra)
+    units; w stays a multiple of 8, since oneDNN's blocked layouts make other widths several
+    times slower per FLOP."""
+    from mxnet import gluon
+    net = gluon.nn.HybridSequential(prefix=prefix)  # explicit: the same files every run
+    with net.name_scope():
+        for k in (1, 2, 4):
+            for _ in range(2 + (extra if k == 4 else 0)):
+                net.add(gluon.nn.Conv2D(width * k, 3, padding=1, use_bias=False), gluon.nn.BatchNorm(),
+                        gluon.nn.Activation("relu"))
+            net.add(gluon.nn.MaxPool2D(2))
+        net.add(gluon.nn.GlobalAvgPool2D(), gluon.nn.Dense(CLASSES))
+    return net
+
+
+def teacher_cost(width, extra):
+    """Relative forward cost of teacher_net(width, extra): FLOP units (the model calibration refines)."""
+    return width * width * (4 + extra)
+
+
+TEACHER_SHAPES = sorted(((w, e) for w in range(8, 129, 8) for e in range(0, 5)), key=lambda s: teacher_cost(*s))
+
+
+def child_calibrate(out_dir, reps, tries):
+    """Time the student's training step and candidate teachers' forwards on one thread; export the
+    light and heavy teachers whose forward/step ratios land nearest 1/3 and 2. Prints one JSON line."""
+    import mxnet as mx
+    from mxnet import autograd, gluon
+    from pipeline.teacher import Teacher
+    from trainer.loss import KDLoss
+    from trainer.models import get_model
+    mx.random.seed(SEED)
+    rng = np.random.default_rng(SEED)
+    x = rng.random((BATCH,) + SHAPE, dtype=np.float32)
+    y = rng.integers(0, CLASSES, BATCH).astype(np.float32)
+    t = rng.standard_normal((BATCH, CLASSES), dtype=np.float32)
+
+    # the student's step as trainer/train.py runs it: copy in, KD loss, backward, Adam, loss read back
+    net = get_model(STUDENT, CLASSES, prefix="student_")
+    net.initialize(mx.init.Xavier())
+    net.hybridize(static_alloc=True)
+    opt = gluon.Trainer(net.collect_params(), "adam", {"learning_rate": 1e-3, "wd": 1e-4})
+    loss_fn = KDLoss(20.0, 0.5)
+
+    def student_step():
+        t0 = time.perf_counter()
+        xs, ys, ts = mx.nd.array(x), mx.nd.array(y), mx.nd.array(t)
+        with autograd.record():
+            loss = loss_fn(net(xs), ts, ys)
+        autograd.backward([loss])
+        opt.step(BATCH)
+        float(loss.sum().asscalar())
+        return time.perf_counter() - t0
+
+    def load_teacher(shape, pair, name):
+        mx.random.seed(SEED)
+        tn = teacher_net(*shape, f"kd{pair}_")
+        tn.initialize(mx.init.Xavier())
+        tn.hybridize()
+        tn(mx.nd.array(x[:1])).wait_to_read()
+        prefix = os.path.join(out_dir, name)
+        tn.export(prefix, 0)
+        teacher = Teacher(prefix, batch_size=BATCH)  # the runner the producer and inline mode use
+        teacher.forward(x)
+        return prefix, teacher, sum(int(np.prod(p.shape)) for p in tn.collect_params().values())
+
+    def paired(teacher):
+        """Median step and forward times, interleaved so machine noise hits both."""
+        s, f = [], []
+        for _ in range(reps):
+            s.append(student_step())
+            t0 = time.perf_counter()
+            teacher.forward(x)
+            f.append(time.perf_counter() - t0)
+        return statistics.median(s), statistics.median(f)
+
+    for _ in range(3):
+        student_step()  # warm-up: memory plans, oneDNN primitives
+    out = {"student": STUDENT, "batch": BATCH, "threads": int(os.environ.get("OMP_NUM_THREADS", 0) or 0),
+           "num_gpus": mx.context.num_gpus(), "pairs": {}}
+    steps_s = []
+    for name, target in TARGETS.items():
+        shape, seen, scale = FIRST_SHAPE[name], {}, None
+        for _ in range(tries):
+            prefix, teacher, params = load_teacher(shape, name, f"{name}-w{shape[0]}-x{shape[1]}")
+            step_s, fwd_s = paired(teacher)
+            steps_s.append(step_s)
+            ratio = fwd_s / step_s
+            seen[shape] = {"width": shape[0], "extra_convs": shape[1], "prefix": prefix, "forward_ms": 1e3 * fwd_s,
+                           "step_ms": 1e3 * step_s, "ratio": ratio, "parameters": params}
+            if abs(math.log(ratio / target)) < math.log(1.1):
+                break
+            scale = ratio / teacher_cost(*shape)  # ratio per cost unit, from the latest measurement
+            nxt = min(TEACHER_SHAPES, key=lambda s: abs(math.log(scale * teacher_cost(*s) / target)))
+            if nxt in seen:
+                break
+            shape = nxt
+        best = min(seen.values(), key=lambda c: abs(math.log(c["ratio"] / target)))
+        final = os.path.join(out_dir, name)
+        for suffix in ("-symbol.json", "-0000.params"):
+            shutil.copyfile(best["prefix"] + suffix, final + suffix)
+        out["pairs"][name] = {**best, "prefix": final, "target": target, "tries": list(seen.values())}
+    out["student_step_ms"] = 1e3 * statistics.median(steps_s)
+    print(json.dumps(out))
+
+
+def child_async(a):
+    """Inline KD on MXNet's asynchronous engine: the teacher's forward of batch i+1 is issued before
+    the student's step on batch i and never waited for; only the student's loss is read back each
+    step, as trainer/train.py does. Same data, schedule, student, optimiser and KDLoss as the trainer."""
+    import mxnet as mx
+    from mxnet import autograd, gluon
+    from pipeline import load_dataset, make_views, schedule
+    from pipeline.augment import Augment
+    from pipeline.schedule import steps_per_epoch
+    from trainer.loss import KDLoss
+    from trainer.models import get_model
+    mx.random.seed(SEED)
+    np.random.seed(SEED)
+    ctx = mx.gpu(0) if a.ctx.startswith("gpu") else mx.cpu()
+    train = load_dataset(a.dataset, split="train")
+    n = len(train)
+    teacher = gluon.SymbolBlock.imports(a.teacher + "-symbol.json", ["data"], a.teacher + "-0000.params",
+                                        ctx=mx.cpu())
+    teacher.hybridize()
+    net = get_model(a.student, train.num_classes, prefix="student_")
+    net.initialize(mx.init.Xavier(), ctx=ctx)
+    net.hybridize(static_alloc=True)
+    opt = gluon.Trainer(net.collect_params(), "adam", {"learning_rate": 1e-3, "wd": 1e-4})
+    loss_fn = KDLoss(20.0, 0.5)
+    net(mx.nd.array(train.get_batch([0])[0], ctx=ctx)).wait_to_read()
+    augment = Augment()
+
+    def issue(st):
+        """The batch's inputs, and the teacher's forward queued on the engine (not waited for)."""
+        x, y = make_views(train, st.indices, st.view, seed=SEED, augment=augment)
+        xc = mx.nd.array(x, ctx=mx.cpu())
+        t = teacher(xc)
+        if ctx != mx.cpu():
+            return st, xc.as_in_context(ctx), mx.nd.array(y.astype(np.float32), ctx=ctx), t.as_in_context(ctx)
+        return st, xc, mx.nd.array(y.astype(np.float32)), t
+
+    spe = steps_per_epoch(n, a.batch_size)
+    steps = schedule(SEED, a.epochs, n, a.batch_size, 1)
+    history, forwards, seen = [], 0, 0
+    t0 = t_epoch = time.perf_counter()
+    nxt = issue(next(steps))
+    forwards += len(nxt[0].indices)
+    while nxt is not None:
+        st, x, y, t = nxt
+        try:
+            nxt = issue(next(steps))  # before the student's step: the engine may overlap the two
+            forwards += len(nxt[0].indices)
+        except StopIteration:
+            nxt = None
+        with autograd.record():
+            loss = loss_fn(net(x), t, y)
+        autograd.backward([loss])
+        opt.step(x.shape[0])
+        float(loss.sum().asscalar())  # the trainer reads its loss every step too
+        seen += x.shape[0]
+        if st.step == spe - 1:
+            now = time.perf_counter()
+            history.append({"epoch": st.epoch, "seconds": round(now - t_epoch, 3),
+                            "samples_per_s": round(n / (now - t_epoch), 1)})
+            t_epoch = now
+    train_s = time.perf_counter() - t0
+    print(json.dumps({"samples_per_s": round(seen / train_s, 1), "epoch1_s": history[0]["seconds"],
+                      "stall_s": None, "teacher_forwards": forwards, "producer_started": False,
+                      "history": history, "ctx": str(ctx),
+                      "engine_workers": os.environ.get("MXNET_CPU_WORKER_NTHREADS", "1 (default)")}))
+
+
+# -- the parent: children, their memory, their CPU -----------------------------------------------------
+def child_env(**extra):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        env[var] = str(THREADS)
+    for var in ("KDCACHE_TEACHER_THREADS", "KDCACHE_DIR", "MXNET_CPU_WORKER_NTHREADS"):
+        env.pop(var, None)
+    env.setdefault("MXNET_SUBGRAPH_VERBOSE", "0")
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def _ppid_map():
+    out = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as fh:
+                    s = fh.read()
+                out[int(d)] = int(s[s.rindex(")") + 2:].split()[1])
+            except (OSError, ValueError, IndexError):
+                pass
+    return out
+
+
+def _status_kib(pid, field):
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _role(pid, root):
+    if pid == root:
+        return "trainer"
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            cmd = fh.read().split(b"\0")
+    except OSError:
+        return None
+    return "producer" if b"cache_builder" in cmd else "other"
+
+
+class PeakPoller(threading.Thread):
+    """Every 0.2 s: the peak resident set (VmHWM) of a process and of each of its descendants,
+    kept per role (trainer: the process itself; producer: a `cache_builder` descendant)."""
+
+    def __init__(self, pid, every=0.2):
+        super().__init__(daemon=True)
+        self.pid, self.every = pid, every
+        self.peak_kib, self.roles = {}, {}
+        self._halt = threading.Event()
+
+    def run(self):
+        while not self._halt.is_set():
+            self.sample()
+            self._halt.wait(self.every)
+
+    def sample(self):
+        parents = _ppid_map()
+        family, frontier = {self.pid}, [self.pid]
+        while frontier:
+            kids = [p for p, pp in parents.items() if pp in frontier and p not in family]
+            family.update(kids)
+            frontier = kids
+        for pid in family:
+            hwm = _status_kib(pid, "VmHWM") or _status_kib(pid, "VmRSS")
+            if hwm is None:
+                continue
+            if pid not in self.roles:
+                role = _role(pid, self.pid)
+                if role is None:
+                    continue
+                self.roles[pid] = role
+            self.peak_kib[pid] = max(self.peak_kib.get(pid, 0), hwm)
+
+    def stop(self):
+        self._halt.set()
+        self.join()
+
+    def peaks_mib(self):
+        out = {}
+        for pid, kib in self.peak_kib.items():
+            role = self.roles[pid]
+            out[role] = max(out.get(role, 0.0), kib / 1024)
+        return {k: round(v, 1) for k, v in out.items()}
+
+
+class Children:
+    """Processes this benchmark started (each in its own session); all are stopped, by their own
+    process group, if the benchmark fails."""
+
+    def __init__(self):
+        self.live = set()
+
+    def run(self, argv, what, *, env, log_dir, cwd, timeout=900):
+        """Run argv to completion; returns its last JSON line, peak RSS per role, CPU use, wall."""
+        tag = what.replace(" ", "_").replace("/", "_")
+        out_path, err_path = os.path.join(log_dir, tag + ".out"), os.path.join(log_dir, tag + ".err")
+        s0 = cpu_snapshot()
+        load0 = os.getloadavg()
+        launched = time.time()
+        t0 = time.perf_counter()
+        with open(out_path, "w") as out, open(err_path, "w") as err:
+            p = subprocess.Popen(argv, cwd=cwd, env=env, stdout=out, stderr=err, start_new_session=True)
+        self.live.add(p.pid)
+        poller = PeakPoller(p.pid)
+        poller.start()
+        timer = threading.Timer(timeout, self._kill, args=(p.pid,))
+        timer.start()
+        try:
+            _, status, ru = os.wait4(p.pid, 0)  # not p.wait(): wait4 also gives the tree's CPU time
+        finally:
+            timer.cancel()
+            poller.stop()
+        self.live.discard(p.pid)
+        p.returncode = os.waitstatus_to_exitcode(status)
+        wall = time.perf_counter() - t0
+        cpu = cpu_between(s0, cpu_snapshot())
+        with open(out_path) as fh:
+            stdout = fh.read()
+        if p.returncode != 0:
+            with open(err_path) as fh:
+                err = fh.read()
+            raise RuntimeError(f"bench: {what} exited with {p.returncode}:\n{err[-3000:]}")
+        res = last_json(stdout, what)
+        res["_peak_rss_mib"] = poller.peaks_mib()
+        res["_cpu"] = {**cpu, "tree_cores": (ru.ru_utime + ru.ru_stime) / wall if wall else None,
+                       "loadavg_1m_start": round(load0[0], 2), "loadavg_1m_end": round(os.getloadavg()[0], 2)}
+        res["_wall_s"] = wall
+        res["_launched"] = launched
+        return res
+
+    @staticmethod
+    def _kill(pid):
+        try:
+            os.killpg(pid, signal.SIGKILL)  # the child's own session: it and what it started
+        except OSError:
+            pass
+
+    def stop_all(self):
+        for pid in list(self.live):
+            self._kill(pid)
+
+
+# -- one pair ----------------------------------------------------------------------------------------------
+def trainer_argv(dataset, run_dir_root, run, epochs, *, mode, teacher=None, cache_dir=None, store=None, ctx=None):
+    argv = [sys.executable, "-m", "trainer", "--dataset", dataset, "--student", STUDENT, "--epochs", str(epochs),
+            "--batch-size", str(BATCH), "--seed", str(SEED), "--threads", str(THREADS),
+            "--producer-threads", str(THREADS), "--teacher-mode", mode, "--quiet", "--json",
+            "--runs-dir", run_dir_root, "--run", run]
+    if teacher:
+        argv += ["--teacher", teacher]
+    if cache_dir:
+        argv += ["--cache-dir", cache_dir]
+    if store:
+        argv += ["--store", store]
+    if ctx:
+        argv += ["--ctx", ctx]
+    return argv
+
+
+def producer_argv(teacher, dataset, cache_dir, *, split):
+    """python -m cache_builder offline, with the options under which the trainer looks the cache up
+    (for the test split: what trainer.train.producer_command passes for its teacher-accuracy cache)."""
+    argv = [sys.executable, "-m", "cache_builder", "--quiet", "--json", "--teacher", teacher, "--dataset", dataset,
+            "--split", split, "--seed", str(SEED), "--batch-size", str(BATCH), "--threads", str(THREADS),
+            "--cache-dir", cache_dir, "--views", "1"]
+    if split == "test":
+        argv += ["--augment", "none", "--codec", "full", "--dtype", "float32"]
+    return argv
+
+
+def read_json(path):
+    try:
+        with open(path) as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return None
+
+
+def startup_note(res, run_dir, steps):
+    """Where the producer's start-up falls: epoch 1's start (from the trainer's timeline), the
+    producer's first finished step, and the trainer's wait for its first batch."""
+    tl = (read_json(os.path.join(run_dir, "timeline.json")) or {}).get("steps") or []
+    ptl = (read_json(os.path.join(run_dir, "producer-timeline.json")) or {}).get("steps") or []
+    if len(tl) < steps or not res.get("epoch1_s"):
+        return {}
+    epoch_start = tl[steps - 1][0] - res["epoch1_s"]
+    out = {"epoch1_start_after_launch_s": round(epoch_start - res["_launched"], 3),
+           "first_step_wait_s": round(tl[0][2], 3)}
+    if ptl:
+        out["producer_first_step_into_epoch1_s"] = round(ptl[0][0] - epoch_start, 3)
+    return out
+
+
+def run_pair(pair, cal, dataset, n, epochs, root, kids, ctx=None):
+    """Every scenario of one teacher/student pair; returns {scenario: result} and the teacher-alone run."""
+    tag = pair + ("-" + ctx.replace(":", "") if ctx else "")
+    base = os.path.join(root, tag)
+    logs, runs = os.path.join(base, "logs"), os.path.join(base, "runs")
+    for d in (logs, runs):
+        os.makedirs(d, exist_ok=True)
+    teacher = cal["pairs"][pair]["prefix"]
+    env = child_env()
+    steps = -(-n // BATCH)
+    dirs = {k: os.path.join(base, "caches-" + k) for k in ("offline", "online", "ring")}
+
+    # The trainer's teacher-accuracy cache of the test split, built before any cache-mode run and
+    # copied into each fresh cache directory: otherwise the trainer would start a second producer
+    # for it, a third MXNet process on two cores while training.
+    tst = kids.run(producer_argv(teacher, dataset, dirs["offline"], split="test"), f"{tag} test-split cache",
+                   env=env, log_dir=logs, cwd=base)
+    for k in ("online", "ring"):
+        os.makedirs(dirs[k])
+        shutil.copy2(tst["cache_path"], dirs[k])
+    alone = None
+    if ctx is None:
+        log(f"  {pair}: teacher alone (offline fill of the train split, 1 thread)")
+        alone = kids.run(producer_argv(teacher, dataset, dirs["offline"], split="train"), f"{tag} teacher alone",
+                         env=env, log_dir=logs, cwd=base)
+        if not alone.get("complete") or alone.get("rows_written") != n:
+            raise RuntimeError(f"bench: the offline producer did not fill the cache: {alone}")
+        alone["epoch_s"] = n / alone["rows_per_s"]
+        log(f"    {alone['rows_per_s']:.0f} rows/s -> {alone['epoch_s']:.2f} s per epoch "
+            f"({alone['_wall_s']:.1f} s wall with start-up)")
+
+    out = {}
+    for sc in ORDER:
+        run = f"{tag}-{sc}"
+        if sc.startswith("inline_async"):
+            workers = 2 if sc == "inline_async_2w" else None
+            argv = [sys.executable, "-m", "bench.kd", "--child", "async", "--teacher", teacher, "--dataset", dataset,
+                    "--epochs", str(epochs), "--batch-size", str(BATCH), "--student", STUDENT, "--ctx", ctx or "cpu"]
+            e = child_env(**({"MXNET_CPU_WORKER_NTHREADS": workers} if workers else {}))
+            res = kids.run(argv, f"{tag} {sc}", env=e, log_dir=logs, cwd=base)
+        else:
+            kw = {"student_only": dict(mode="none"),
+                  "inline": dict(mode="inline", teacher=teacher),
+                  "online": dict(mode="cache", teacher=teacher, cache_dir=dirs["online"]),
+                  "warm": dict(mode="cache", teacher=teacher, cache_dir=dirs["online"]),
+                  "ring": dict(mode="cache", teacher=teacher, cache_dir=dirs["ring"], store="ring")}[sc]
+            res = kids.run(trainer_argv(dataset, runs, run, epochs, ctx=ctx, **kw), f"{tag} {sc}", env=env,
+                           log_dir=logs, cwd=base)
+            run_dir = os.path.join(runs, run)
+            res["run_dir"] = run_dir
+            res["history"] = (read_json(os.path.join(run_dir, "metrics.json")) or {}).get("history")
+            res["test_producer_started"] = os.path.exists(os.path.join(run_dir, "producer-test.log"))
+            if res["test_producer_started"]:
+                log(f"    warning: {run} started a producer for the test split (a third process)")
+            if sc in ("online", "ring"):
+                res["startup"] = startup_note(res, run_dir, steps)
+        out[sc] = res
+        log(f"  {pair} {sc}: {res['samples_per_s']:.0f} samples/s, epoch 1 {res['epoch1_s']:.2f} s, stall "
+            f"{res['stall_s'] if res['stall_s'] is not None else '-'} s, teacher forwards {res['teacher_forwards']}, "
+            f"peak RSS {res['_peak_rss_mib']} MiB, {res['_cpu']['tree_cores'] or 0:.2f} cores used, other "
+            f"processes {res['_cpu']['other_cores'] or 0:.2f} cores ({res['_wall_s']:.1f} s wall)")
+    return out, alone, tst
+
+
+def result_rows(pair, runs, section):
+    so = runs["student_only"]["samples_per_s"]
+    rows = []
+    for sc in SCENARIOS:
+        r = runs.get(sc)
+        if r is None:
+            continue
+        rows.append({"pair": pair, "scenario": sc, "section": section, "samples_per_s": r["samples_per_s"],
+                     "ratio_to_student_only": round(r["samples_per_s"] / so, 4) if so else None,
+                     "epoch1_s": r["epoch1_s"], "stall_s": r["stall_s"], "peak_rss_mib": r["_peak_rss_mib"],
+                     "teacher_forwards": r["teacher_forwards"], "producer_started": r.get("producer_started"),
+                     "wall_s": round(r["_wall_s"], 3), "cpu_cores_used": _round(r["_cpu"]["tree_cores"]),
+                     "other_processes_cores": _round(r["_cpu"]["other_cores"]),
+                     "loadavg_1m": [r["_cpu"]["loadavg_1m_start"], r["_cpu"]["loadavg_1m_end"]],
+                     "history": r.get("history"), "startup": r.get("startup"),
+                     "engine_workers": r.get("engine_workers"),
+                     "test_producer_started": r.get("test_producer_started", False)})
+    return rows
+
+
+def _round(v, d=3):
+    return None if v is None else round(v, d)
+
+
+def pair_table(rows):
+    def mib(d, k):
+        return f"{d[k]:.0f}" if d and d.get(k) else "-"
+    return md_table(
+        ["scenario", "samples/s", "ratio to student_only", "epoch-1 s", "stall s", "cores used",
+         "peak RSS trainer MiB", "peak RSS producer MiB", "teacher forwards", "other procs (cores)"],
+        [[r["scenario"], f"{r['samples_per_s']:.0f}", f"{r['ratio_to_student_only']:.3f}", f"{r['epoch1_s']:.2f}",
+          "-" if r["stall_s"] is None else f"{r['stall_s']:.2f}", f"{r['cpu_cores_used'] or 0:.2f}",
+          mib(r["peak_rss_mib"], "trainer"), mib(r["peak_rss_mib"], "producer"), r["teacher_forwards"],
+          f"{r['other_processes_cores'] or 0:.2f}"] for r in rows])
+
+
+# -- floors ------------------------------------------------------------------------------------------------
+def floors(by, alone):
+    """Every floor's measured value, limit and verdict (PASS/MISS), for the CPU section."""
+    out = []
+    for pair in TARGETS:
+        so, warm = by[pair]["student_only"], by[pair]["warm"]
+        v = warm["samples_per_s"] / so["samples_per_s"]
+        out.append({"floor": "warm_vs_student_only", "pair": pair, "measured": round(v, 4),
+                    "limit": f">= {FLOORS['warm_vs_student_only']}",
+                    "verdict": verdict(v, FLOORS["warm_vs_student_only"]),
+                    "compares": "samples/s of warm / samples/s of student_only"})
+        slowest = max(alone[pair]["epoch_s"], so["epoch1_s"])
+        stage = "teacher" if alone[pair]["epoch_s"] >= so["epoch1_s"] else "student"
+        for sc in ("online", "ring"):
+            r = by[pair][sc]
+            v = r["epoch1_s"] / slowest
+            out.append({"floor": f"{sc}_epoch1_vs_slowest_stage", "pair": pair, "measured": round(v, 4),
+                        "limit": f"<= {FLOORS['epoch1_vs_slowest_stage']}",
+                        "verdict": verdict(v, FLOORS["epoch1_vs_slowest_stage"], higher_is_better=False),
+                        "compares": f"epoch-1 s of {sc} ({r['epoch1_s']:.2f}) / slowest stage alone "
+                                    f"({stage}: {slowest:.2f} s)"})
+    inline = by["heavy"]["inline"]
+    for sc in ("online", "ring"):
+        r = by["heavy"][sc]
+        v = r["samples_per_s"] / inline["samples_per_s"]
+        out.append({"floor": f"{sc}_vs_inline_heavy", "pair": "heavy", "measured": round(v, 4),
+                    "limit": f">= {FLOORS['vs_inline_heavy']}", "verdict": verdict(v, FLOORS["vs_inline_heavy"]),
+                    "compares": f"samples/s of {sc} / samples/s of inline (training time: epochs only, "
+                                f"{'= epoch-1 time ratio' if len(r.get('history') or []) <= 1 else 'all epochs'})"})
+    return out
+
+
+def floors_table(fl):
+    return md_table(["floor", "pair", "measured", "limit", "verdict", "compares"],
+                    [[f["floor"], f["pair"], f"{f['measured']:.3f}", f["limit"], f["verdict"], f["compares"]]
+                     for f in fl])
+
+
+# -- the plot ----------------------------------------------------------------------------------------------
+def plot_online(res, out_png, title):
+    """The producer's and the trainer's schedule positions over time, the trainer's stalls shaded."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    run_dir = res["run_dir"]
+    tl = (read_json(os.path.join(run_dir, "timeline.json")) or {}).get("steps") or []
+    ptl = (read_json(os.path.join(run_dir, "producer-timeline.json")) or {}).get("steps") or []
+    if not tl:
+        raise RuntimeError(f"bench: {run_dir}/timeline.json is missing or empty: nothing to plot")
+    t0 = res["_launched"]
+    tt = np.array([s[0] for s in tl]) - t0
+    tp = np.array([s[1] for s in tl]) + 1
+    wait = np.array([s[2] for s in tl])
+    fig, ax = plt.subplots(figsize=(9, 5), dpi=110)
+    # a step's wait came right before its compute: [end of the previous step, + wait]
+    prev = np.concatenate([[tt[0] - wait[0] - (np.median(np.diff(tt)) if len(tt) > 1 else 0.0)], tt[:-1]])
+    spans = [(a, a + w) for a, w in zip(prev, wait) if w > 1e-3]
+    merged = []
+    for a, b in spans:
+        if merged and a <= merged[-1][1] + 1e-3:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    for i, (a, b) in enumerate(merged):
+        ax.axvspan(a, b, color="tab:red", alpha=0.18, lw=0, label="trainer waits for targets (> 1 ms)" if i == 0 else None)
+    if ptl:
+        pt = np.array([s[0] for s in ptl]) - t0
+        pp = np.array([s[1] for s in ptl]) + 1
+        ax.step(np.concatenate([[pt[0]], pt]), np.concatenate([[0], pp]), where="post", color="tab:blue", lw=1.8,
+                label="producer (teacher, 1 core): steps done")
+    ax.step(np.concatenate([[tt[0]], tt]), np.concatenate([[0], tp]), where="post", color="tab:green", lw=1.8,
+            label="trainer (student, 1 core): steps done")
+    epoch_start = (res.get("startup") or {}).get("epoch1_start_after_launch_s")
+    if epoch_start is not None:
+        ax.axvline(epoch_start, color="0.4", ls="--", lw=1, label=f"epoch 1 starts ({epoch_start:.1f} s after launch)")
+    ax.set_xlabel("seconds since the trainer was launched")
+    ax.set_ylabel("schedule steps done (batches of %d)" % BATCH)
+    ax.set_title(title, fontsize=10)
+    ax.set_xlim(left=0)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(out_png)), exist_ok=True)
+    tmp = out_png + ".tmp.png"
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, out_png)
+
+
+# -- main --------------------------------------------------------------------------------------------------
+def main(argv=None):
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.kd",
+        description="kdcache end to end: student alone, inline KD, inline on the async engine, and the cache "
+                    "(online, warm, ring) with a light and a heavy teacher, one core each. Prints markdown tables, "
+                    "writes a JSON report and a plot of the heavy pair's online run.")
+    ap.add_argument("--quick", action="store_true", help="a data set of a few seconds per epoch (figures noisier)")
+    ap.add_argument("--out", default=DEFAULT_OUT, help=f"JSON report path (default {DEFAULT_OUT})")
+    ap.add_argument("--png", default=None, help=f"plot path (default: {PNG_NAME} beside --out)")
+    ap.add_argument("--tmp", default=None, help="directory for teachers, caches and runs (default: the system temp "
+                                                "dir); everything written there is removed")
+    ap.add_argument("--keep", action="store_true", help="keep the temporary directory (runs, logs) for inspection")
+    ap.add_argument("--child", choices=["calibrate", "async"], help=argparse.SUPPRESS)
+    ap.add_argument("--teacher", help=argparse.SUPPRESS)
+    ap.add_argument("--dataset", help=argparse.SUPPRESS)
+    ap.add_argument("--student", default=STUDENT, help=argparse.SUPPRESS)
+    ap.add_argument("--epochs", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--batch-size", type=int, default=BATCH, help=argparse.SUPPRESS)
+    ap.add_argument("--ctx", default="cpu", help=argparse.SUPPRESS)
+    ap.add_argument("--dir", help=argparse.SUPPRESS)
+    ap.add_argument("--reps", type=int, default=5, help=argparse.SUPPRESS)
+    ap.add_argument("--tries", type=int, default=3, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child == "calibrate":
+        child_calibrate(args.dir, args.reps, args.tries)
+        return 0
+    if args.child == "async":
+        child_async(args)
+        return 0
+
+    p = QUICK if args.quick else FULL
+    png = args.png or os.path.join(os.path.dirname(os.path.abspath(args.out)), PNG_NAME)
+    m = machine()
+    try:
+        from importlib.metadata import version
+        m["mxnet"] = version("mxnet")
+    except Exception:  # the report still names everything else
+        m["mxnet"] = "?"
+    m["omp_num_threads"] = str(THREADS)  # what every MXNet child runs with
+    load_start = os.getloadavg()
+    t_start = time.perf_counter()
+    if args.tmp:
+        os.makedirs(args.tmp, exist_ok=True)
+    root = tempfile.mkdtemp(prefix="kdcache-bench-kd-", dir=args.tmp)
+    kids = Children()
+    try:
+        log(f"{'quick' if args.quick else 'full'} run, temp dir {root}, load average {load_start[0]:.2f} "
+            f"{load_start[1]:.2f} {load_start[2]:.2f}")
+        teachers = os.path.join(root, "teachers")
+        os.makedirs(teachers)
+        log("calibrating the teachers against the student's step (1 thread)")
+        cal = kids.run([sys.executable, "-m", "bench.kd", "--child", "calibrate", "--dir", teachers,
+                        "--reps", str(p["cal_reps"]), "--tries", str(p["cal_tries"])], "calibration",
+                       env=child_env(), log_dir=root, cwd=root)
+        for pair, c in cal["pairs"].items():
+            log(f"  {pair}: width {c['width']} + {c['extra_convs']} convs, forward {c['forward_ms']:.1f} ms vs student step {c['step_ms']:.1f} ms "
+                f"per batch of {BATCH}: ratio {c['ratio']:.3f} (target {c['target']:.3f})")
+        step_s = cal["student_step_ms"] / 1e3
+        steps = int(min(p["max_steps"], max(p["min_steps"], round(p["epoch_s"] / step_s))))
+        n = steps * BATCH
+        epochs = p["epochs"]
+        dataset = f"synthetic:n={n},classes={CLASSES},shape={'x'.join(map(str, SHAPE))}"
+        log(f"data set {dataset}: {steps} steps of {BATCH} per epoch (~{steps * step_s:.1f} s of student), "
+            f"{epochs} epoch(s)")
+
+        by, alone, tests = {}, {}, {}
+        for pair in TARGETS:
+            log(f"pair {pair}")
+            by[pair], alone[pair], tests[pair] = run_pair(pair, cal, dataset, n, epochs, root, kids)
+        gpu = {"skipped": True, "reason": "MXNet sees no GPU (mxnet.context.num_gpus() == 0): CPU-only machine",
+               "results": []}
+        if cal.get("num_gpus", 0) > 0:
+            gpu = {"skipped": False, "reason": None, "ctx": "gpu:0", "results": []}
+            for pair in TARGETS:
+                log(f"GPU section, pair {pair} (student on gpu:0, teacher on the CPU)")
+                runs, _, _ = run_pair(pair, cal, dataset, n, epochs, root, kids, ctx="gpu:0")
+                gpu["results"] += result_rows(pair, runs, "gpu")
+        else:
+            log("GPU section skipped: MXNet sees no GPU")
+        heavy_online = by["heavy"]["online"]
+        plot_online(heavy_online, png,
+                    f"kdcache online, heavy teacher (forward {cal['pairs']['heavy']['ratio']:.2f}x the student's "
+                    f"step), cold cache: {n} samples, batch {BATCH}, 1 core each")
+    finally:
+        kids.stop_all()
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+    runtime = time.perf_counter() - t_start
+    load_end = os.getloadavg()
+
+    results = [row for pair in TARGETS for row in result_rows(pair, by[pair], "cpu")]
+    fl = floors(by, alone)
+    calibration = {"student": STUDENT, "batch": BATCH, "threads": THREADS,
+                   "student_step_ms": round(cal["student_step_ms"], 2),
+                   "pairs": {k: {"width": v["width"], "extra_convs": v["extra_convs"], "forward_ms": round(v["forward_ms"], 2),
+                                 "student_step_ms": round(v["step_ms"], 2), "ratio": round(v["ratio"], 4),
+                                 "target": round(v["target"], 4), "teacher_parameters": v["parameters"],
+                                 "tries": [{k2: (round(x, 4) if isinstance(x, float) else x) for k2, x in t.items()
+                                            if k2 != "prefix"} for t in v["tries"]]}
+                             for k, v in cal["pairs"].items()}}
+    stages = {pair: {"teacher_alone_rows_per_s": alone[pair]["rows_per_s"],
+                     "teacher_alone_epoch_s": round(alone[pair]["epoch_s"], 3),
+                     "teacher_alone_wall_s": round(alone[pair]["_wall_s"], 3),
+                     "teacher_alone_peak_rss_mib": alone[pair]["_peak_rss_mib"],
+                     "student_alone_epoch1_s": by[pair]["student_only"]["epoch1_s"]} for pair in TARGETS}
+    others = [r["other_processes_cores"] for r in results if r["other_processes_cores"] is not None]
+    report = {
+        "results": results,
+        "floors": {f"{f['floor']}:{f['pair']}": f for f in fl},
+        "all_pass": all(f["verdict"] == "PASS" for f in fl),
+        "calibration": calibration,
+        "stages": stages,
+        "startup": {pair: {sc: by[pair][sc].get("startup") for sc in ("online", "ring")} for pair in TARGETS},
+        "settings": {"dataset": dataset, "n": n, "steps_per_epoch": steps, "epochs": epochs, "batch": BATCH,
+                     "student": STUDENT, "threads_per_process": THREADS, "seed": SEED,
+                     "inline_async": {"omp_num_threads": THREADS, "mxnet_cpu_worker_nthreads": 1},
+                     "inline_async_2w": {"omp_num_threads": THREADS, "mxnet_cpu_worker_nthreads": 2}},
+        "gpu": gpu,
+        "load": {"loadavg_start": [round(v, 2) for v in load_start], "loadavg_end": [round(v, 2) for v in load_end],
+                 "other_processes_cores_mean": round(statistics.mean(others), 3) if others else None,
+                 "other_processes_cores_max": round(max(others), 3) if others else None},
+        "machine": m,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "quick": bool(args.quick),
+        "runtime_s": round(runtime, 1),
+        "plot": png,
+    }
+
+    print(f"# kdcache KD benchmark ({'quick' if args.quick else 'full'} run, {runtime:.0f} s)\n")
+    print(machine_line(m) + f", MXNet {m['mxnet']}")
+    print(f"load average (1/5/15 min): {' '.join(f'{v:.2f}' for v in load_start)} at the start, "
+          f"{' '.join(f'{v:.2f}' for v in load_end)} at the end; other processes kept "
+          f"{report['load']['other_processes_cores_mean'] or 0:.2f} cores busy on average during the runs "
+          f"(worst {report['load']['other_processes_cores_max'] or 0:.2f}) of {os.cpu_count()}\n")
+    print(f"Data: {dataset}, batch {BATCH}, {steps} steps per epoch, {epochs} epoch(s); student {STUDENT}; "
+          f"every MXNet process OMP_NUM_THREADS={THREADS}.\n")
+    print("## Calibration (one thread, batch of %d)\n" % BATCH)
+    print(md_table(["pair", "teacher width + extra convs", "teacher params", "teacher forward ms", "student step ms",
+                    "ratio (measured)", "target", "teacher alone rows/s", "teacher alone epoch s",
+                    "student alone epoch-1 s"],
+                   [[pair, f"{c['width']} + {c['extra_convs']}", f"{c['teacher_parameters']:,}", f"{c['forward_ms']:.1f}",
+                     f"{c['student_step_ms']:.1f}", f"{c['ratio']:.3f}", f"{c['target']:.3f}",
+                     f"{stages[pair]['teacher_alone_rows_per_s']:.0f}", f"{stages[pair]['teacher_alone_epoch_s']:.2f}",
+                     f"{stages[pair]['student_alone_epoch1_s']:.2f}"] for pair, c in calibration["pairs"].items()]))
+    print("\nTeacher: (Conv-BN-ReLU x2, MaxPool) at widths w, 2w, 4w with the extra Conv-BN-ReLU at 4w, global "
+          "average pool, Dense(10); forward via "
+          "pipeline.teacher (the producer's and inline mode's runner). Teacher alone: `python -m cache_builder "
+          "--threads 1` filling the train split offline, rows/s of its work loop (start-up excluded).\n")
+    for pair in TARGETS:
+        rows = [r for r in results if r["pair"] == pair]
+        print(f"## {pair} teacher (forward {calibration['pairs'][pair]['ratio']:.2f}x the student's step)\n")
+        print(pair_table(rows))
+        st = report["startup"][pair]
+        notes = []
+        for sc in ("online", "ring"):
+            s = st.get(sc) or {}
+            if s:
+                notes.append(f"{sc}: epoch 1 began {s['epoch1_start_after_launch_s']:.1f} s after launch; its first step "
+                             f"waited {s['first_step_wait_s']:.2f} s for the producer's start-up (inside epoch1_s)"
+                             + (f"; the producer finished its first step {s['producer_first_step_into_epoch1_s']:.2f} s "
+                                f"into epoch 1" if "producer_first_step_into_epoch1_s" in s else ""))
+        print("\n" + "; ".join(notes) + ".\n")
+    print("samples/s: training time only (epochs; set-up, evaluation and checkpoints excluded). epoch-1 s: the "
+          "trainer's epoch1_s; for online and ring it includes whatever of the producer's start-up (MXNet import, "
+          "teacher load) the trainer's own set-up did not cover. stall s: the trainer's wait for batches/targets "
+          "(not measured in inline_async). cores used: CPU time of the process tree / its wall time. "
+          "inline_async: MXNET_CPU_WORKER_NTHREADS unset (1 engine worker); inline_async_2w: 2 workers, so the "
+          "engine may use both cores (the budget of online/ring, not of inline). Peak RSS: VmHWM sampled every "
+          "0.2 s.\n")
+    print("## Floors\n")
+    print(floors_table(fl) + "\n")
+    if others and max(others) > BUSY_CORES:
+        print(f"Warning: other processes kept up to {max(others):.2f} of {os.cpu_count()} cores busy during a "
+              f"scenario; figures of that scenario understate this machine.\n")
+    print("## GPU section\n")
+    if gpu["skipped"]:
+        print(f"skipped: {gpu['reason']}\n")
+    else:
+        for pair in TARGETS:
+            print(f"### {pair} teacher, student on gpu:0, teacher on the CPU\n")
+            print(pair_table([r for r in gpu["results"] if r["pair"] == pair]) + "\n")
+    missed = [f"{f['floor']} ({f['pair']})" for f in fl if f["verdict"] != "PASS"]
+    print("All floors met." if not missed else f"Floors missed: {', '.join(missed)}.")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    tmp = args.out + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(report, fh, indent=1, default=_json_default)
+        fh.write("\n")
+    os.replace(tmp, args.out)
+    print(f"Report: {args.out}\nPlot: {png}")
+    return 0
+
+
+def _json_default(x):
+    if isinstance(x, np.generic):
+        return x.item()
+    raise TypeError(f"{type(x).__name__} is not JSON serializable")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

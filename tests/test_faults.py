@@ -290,8 +290,8 @@ def test_soak_one_producer_four_readers(cache_dir):
     spec = make_spec(num_samples=2_000_000, num_classes=16, dtype="float16")
     p = path_for(cache_dir, spec.fingerprint)
     env = {**ENV}
-    prod = subprocess.Popen([sys.executable, "-m", "tests.helpers", "produce", "--path", p, "--num-samples", 2_000_000,
-                             "--num-classes", 16, "--dtype", "float16", "--batch", 64, "--delay", 0.001],
+    prod = subprocess.Popen([sys.executable, "-m", "tests.helpers", "produce", "--path", p, "--num-samples", "2000000",
+                             "--num-classes", "16", "--dtype", "float16", "--batch", "64", "--delay", "0.001"],
                             env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     code = f"""
 import sys, time, json, numpy as np

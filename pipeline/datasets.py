@@ -365,6 +365,10 @@ class ImageFolderDataset(DecodedDataset):
         from mxnet.gluon.data.vision import ImageFolderDataset as _IFD
         if os.path.isdir(os.path.join(root, split)):
             root = os.path.join(root, split)
+        elif split == "test" or os.path.isdir(os.path.join(root, "test")):
+            # never evaluate on the training images, nor train on a 'test' class
+            raise DatasetError(f"--data-root {root!r} has no {split}/ folder: lay the images out as "
+                               f"root/train/<class>/... and root/test/<class>/...")
         if not os.path.isdir(root):
             raise DatasetError(f"--data-root {root!r} is not a directory of class folders")
         self._folder = _IFD(root)

@@ -715,3 +715,9 @@ def test_schedule_steps_positions_and_views():
     resumed = list(schedule(11, epochs, n, bs, views, start_epoch=4))
     assert [(s.epoch, s.step, s.position, s.view) for s in resumed] == \
         [(s.epoch, s.step, s.position, s.view) for s in steps[20:]]
+
+
+def test_imagefolder_without_a_test_folder_never_evaluates_on_training_images(tmp_path):
+    make_folder(tmp_path)
+    assert len(load_dataset("imagefolder", data_root=str(tmp_path))) > 0
+    dataset_error(lambda: load_dataset("imagefolder", data_root=str(tmp_path), split="test"), "test/", "root/train")

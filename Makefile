@@ -21,6 +21,7 @@ T          ?= 20
 ALPHA      ?= 0.5
 RUN        ?=
 TEACHER_MODE ?= cache
+WORKERS    ?= 2
 PYTEST_ARGS ?=
 QUICK ?=
 DEFAULT_TEACHER := teachers/digits
@@ -36,7 +37,7 @@ TEACHER_DEP = $(if $(filter $(DEFAULT_TEACHER),$(TEACHER)),$(DEFAULT_TEACHER)-sy
 export PYTHONPATH := $(CURDIR)
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: help setup test test-fast torture bench bench-store bench-producer caches teacher cache cache-online train clean
+.PHONY: help setup test test-fast torture bench bench-store bench-producer caches teacher cache cache-online train train-dist clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s "$$(printf '\t')"
@@ -89,6 +90,11 @@ cache-online: setup $(TEACHER_DEP)  ## producer following the training schedule 
 train: setup $(TEACHER_DEP)  ## train STUDENT with KD from the cache (starts a producer when needed)
 	$(PY) -m trainer --student $(STUDENT) --teacher $(TEACHER) --teacher-mode $(TEACHER_MODE) $(SHARED_OPTS) \
 	  --temperature $(T) --alpha $(ALPHA) --epochs $(EPOCHS) $(if $(RUN),--run $(RUN)) $(if $(THREADS),--threads $(THREADS))
+
+train-dist: setup $(TEACHER_DEP)  ## distributed training: a scheduler, a server and WORKERS workers (dist_sync) on this machine
+	$(PY) -m trainer.launch --workers $(WORKERS) -- --student $(STUDENT) --teacher $(TEACHER) \
+	  --teacher-mode $(TEACHER_MODE) $(SHARED_OPTS) --temperature $(T) --alpha $(ALPHA) --epochs $(EPOCHS) \
+	  $(if $(RUN),--run $(RUN))
 
 caches: setup  ## list the caches in the cache directory (CACHE_DIR=...)
 	$(PY) -m store ls $(if $(CACHE_DIR),--cache-dir $(CACHE_DIR))

@@ -3,15 +3,18 @@ from mxnet import gluon
 
 
 def digits_teacher(classes=10, prefix="teacher_"):
-    """A CNN for 8x8 digits (~99% test accuracy), the default teacher `make teacher` trains."""
+    """A CNN for 8x8 digits, the default teacher `make teacher` trains (99.2-99.7% test accuracy
+    over seeds 0-2 with make_teacher's defaults). The features are flattened rather than
+    averaged: on 4x4 maps where a stroke is matters, and GlobalAvgPool2D left it at ~97.5%."""
     net = gluon.nn.HybridSequential(prefix=prefix)
     with net.name_scope():
         net.add(gluon.nn.Conv2D(32, 3, padding=1, activation="relu"),
                 gluon.nn.Conv2D(64, 3, padding=1, activation="relu"),
                 gluon.nn.MaxPool2D(2),
                 gluon.nn.Conv2D(128, 3, padding=1, activation="relu"),
-                gluon.nn.GlobalAvgPool2D(),
-                gluon.nn.Dense(128, activation="relu"),
+                gluon.nn.Flatten(),
+                gluon.nn.Dropout(0.3),
+                gluon.nn.Dense(256, activation="relu"),
                 gluon.nn.Dropout(0.3),
                 gluon.nn.Dense(classes))
     return net

@@ -34,6 +34,8 @@ def build_parser():
     g.add_argument("--seed", type=int, default=0, help="seed of the schedule, augmentation and initialisation")
     g.add_argument("--ctx", default="auto", help="auto (GPU when MXNet sees one) | cpu | gpu:0[,1,...]")
     g.add_argument("--threads", type=int, help="trainer compute threads (default: the cores the producer leaves)")
+    g.add_argument("--kvstore", help="MXNet kvstore: device (several GPUs), dist_sync or dist_async (workers "
+                   "started by python -m trainer.launch); default: none for one device")
     g = p.add_argument_group("distillation")
     g.add_argument("--teacher-mode", default="cache", choices=["cache", "inline", "none"])
     g.add_argument("--teacher", metavar="PREFIX[:EPOCH]", default=None,

@@ -1,4 +1,5 @@
 """The training loop, read top to bottom: options -> data -> targets -> student -> epochs -> report."""
+import dataclasses
 import json
 import logging
 import os
@@ -187,6 +188,11 @@ class Prefetcher:
             pass
 
 
+def global_batch_size(n, batch_size, step):
+    """Samples in schedule batch `step` (the last batch of an epoch may be smaller)."""
+    return min(batch_size, n - step * batch_size)
+
+
 def evaluate(net, dataset, ctx, batch_size=256):
     correct = 0
     for a in range(0, len(dataset), batch_size):
@@ -200,10 +206,11 @@ def save_checkpoint(run_dir, net, trainer, epoch, state):
     says which epoch is complete, so an interrupted save is never resumed from."""
     tmp = os.path.join(run_dir, f".tmp-{os.getpid()}")
     net.export(tmp + "-student", epoch=epoch)
-    trainer.save_states(tmp + ".states")
     os.replace(f"{tmp}-student-{epoch:04d}.params", os.path.join(run_dir, f"student-{epoch:04d}.params"))
     os.replace(f"{tmp}-student-symbol.json", os.path.join(run_dir, "student-symbol.json"))
-    os.replace(tmp + ".states", os.path.join(run_dir, "trainer.states"))
+    if state.get("kvstore") != "dist_async":  # dist_async keeps the optimiser state on the server
+        trainer.save_states(tmp + ".states")
+        os.replace(tmp + ".states", os.path.join(run_dir, "trainer.states"))
     with open(tmp + ".json", "w") as fh:
         json.dump({**state, "epoch": epoch}, fh, indent=1)
         fh.flush()
@@ -223,7 +230,11 @@ def load_checkpoint(run_dir, net, trainer):
     for k, v in saved.items():
         name = k.split(":", 1)[1] if ":" in k else k
         params[name].set_data(v)
-    trainer.load_states(os.path.join(run_dir, "trainer.states"))
+    states = os.path.join(run_dir, "trainer.states")
+    if os.path.exists(states):
+        trainer.load_states(states)
+    else:
+        log.warning("no optimiser state in %s (distributed run): the optimiser restarts from its defaults", run_dir)
     return state
 
 
@@ -242,11 +253,23 @@ def teacher_accuracy(base, spec, test):
 def run(args, threads, cores):
     t_start = time.perf_counter()
     ctx = resolve_ctx(args.ctx)
+    # Distributed: every worker reads the shared schedule and trains on its part of each batch
+    # (indices[rank::workers]); dist_sync sums the gradients, so the update is the global batch's.
+    kv, rank, workers = None, 0, 1
+    if args.kvstore:
+        try:
+            kv = mx.kv.create(args.kvstore)
+        except Exception as e:
+            raise TrainError(f"--kvstore {args.kvstore}: {str(e).strip().splitlines()[-1][:200]}; for dist_* start "
+                             f"the workers with `python -m trainer.launch` (or set the DMLC_* variables)") from None
+        rank, workers = kv.rank, kv.num_workers
     run_name = args.run or time.strftime("%Y%m%d-%H%M%S")
     if os.sep in run_name or run_name in (".", "..") or not run_name.replace("-", "").replace("_", "").replace(".", "").isalnum():
         raise TrainError(f"--run {run_name!r}: use letters, digits, '-', '_' and '.' only")
     run_dir = os.path.join(args.runs_dir, run_name)
     args.run_name = run_name
+    if workers > 1:
+        run_dir = os.path.join(run_dir, f"worker-{rank}")
     if os.path.exists(os.path.join(run_dir, "state.json")) and not args.resume:
         raise TrainError(f"run {run_dir} exists: pass --resume to continue it or another --run name")
     os.makedirs(run_dir, exist_ok=True)
@@ -298,7 +321,7 @@ def run(args, threads, cores):
             cache_path = final_path(base)
             have = registry.exists(base)
             complete = os.path.exists(cache_path)
-            if not complete and not args.no_producer:
+            if not complete and not args.no_producer and rank == 0:
                 alive = have and os.path.isdir(registry.parts_path(base)) and \
                     bool(__import__("store.segment", fromlist=["x"]).lock_holders(registry.parts_path(base)))
                 if alive:
@@ -311,11 +334,12 @@ def run(args, threads, cores):
             deadline = time.monotonic() + 120
             while True:  # the producer needs a few seconds to start and create the cache
                 try:
-                    reader = CacheReader(base, spec=spec, timeout=args.wait_timeout, grace_s=30.0 if producer else 0.0)
+                    reader = CacheReader(base, spec=spec, timeout=args.wait_timeout,
+                                         grace_s=30.0 if producer or rank > 0 else 0.0)
                     break
                 except Exception as e:
                     from store import CacheNotFoundError
-                    if not isinstance(e, CacheNotFoundError) or producer is None:
+                    if not isinstance(e, CacheNotFoundError) or (producer is None and rank == 0):
                         raise
                     failure = producer_failure(producer, os.path.join(run_dir, "producer.log"))
                     if failure or time.monotonic() > deadline:
@@ -326,17 +350,21 @@ def run(args, threads, cores):
         # the teacher's own test accuracy, from a (small, reusable) cache of the test split
         tspec = build_spec(tid, test, codec="full", dtype="float32")
         tbase = path_for(args.cache_dir, tspec.fingerprint)
-        if not os.path.exists(final_path(tbase)):
+        if not os.path.exists(final_path(tbase)) and rank == 0:
             test_producer = start_producer(producer_command(args, prefix, epoch, tbase, split="test", online=False,
                                                             threads=1), os.path.join(run_dir, "producer-test.log"))
-        else:
+        elif rank == 0:
             teacher_acc = teacher_accuracy(tbase, tspec, test)
 
     # student
     net = get_model(args.student, classes, prefix="student_")
     net.initialize(mx.init.Xavier(), ctx=ctx)
     net.hybridize(static_alloc=True)
-    trainer = gluon.Trainer(net.collect_params(), "adam", {"learning_rate": args.lr, "wd": args.wd})
+    trainer = gluon.Trainer(net.collect_params(), "adam", {"learning_rate": args.lr, "wd": args.wd},
+                            **({"kvstore": kv} if kv is not None else {}),
+                            # dist_sync: workers all-reduce gradients and update alike, so the last, smaller
+                            # batch of an epoch is normalised right and the optimiser state can be saved
+                            **({"update_on_kvstore": False} if args.kvstore == "dist_sync" else {}))
     net(mx.nd.array(train.get_batch([0])[0], ctx=ctx[0]))  # shapes known before a resume loads parameters
     start_epoch, history = 0, []
     if args.resume:
@@ -356,12 +384,14 @@ def run(args, threads, cores):
     try:
         for epoch in range(start_epoch, args.epochs):
             steps = schedule(args.seed, epoch + 1, n, args.batch_size, args.views, start_epoch=epoch)
+            if workers > 1:
+                steps = (dataclasses.replace(st, indices=st.indices[rank::workers]) for st in steps)
             pf = Prefetcher(steps, train, seed=args.seed, augment=augment,
                             targets=targets if mode == "cache" else None)
             bar = tqdm(total=spe, desc=f"epoch {epoch + 1}/{args.epochs}", unit="step", disable=args.quiet,
                        dynamic_ncols=True, leave=not args.quiet)
             t0 = time.perf_counter()
-            tot_loss, last_report, stall_before = 0.0, 0.0, 0.0
+            tot_loss, last_report, stall_before, epoch_seen = 0.0, 0.0, 0.0, 0
             try:
                 for st, x, y, t in pf:
                     if mode == "inline":
@@ -373,9 +403,16 @@ def run(args, threads, cores):
                     with autograd.record():
                         losses = [loss_fn(net(a), b, c) for a, c, b in zip(xs, ys, ts)]
                     autograd.backward(losses)
-                    trainer.step(x.shape[0])
+                    # the global batch: dist_sync sums the workers' gradients
+                    if workers == 1:
+                        trainer.step(x.shape[0])
+                    elif args.kvstore == "dist_sync":
+                        trainer.step(global_batch_size(n, args.batch_size, st.step))
+                    else:  # dist_async updates on the server with one fixed normalisation
+                        trainer.step(args.batch_size)
                     tot_loss += sum(float(l.sum().asscalar()) for l in losses)
                     seen += x.shape[0]
+                    epoch_seen += x.shape[0]
                     timeline.append((round(time.time(), 4), int(st.position), round(pf.stall_s - stall_before, 5)))
                     stall_before = pf.stall_s
                     bar.update(1)
@@ -384,7 +421,7 @@ def run(args, threads, cores):
                         last_report = now
                         if reader is not None:
                             registry.write_position(reader.base, st.position, epoch=epoch, step=st.step, run=run_name)
-                        bar.set_postfix(loss=f"{tot_loss / max(1, (st.step + 1) * args.batch_size):.4f}",
+                        bar.set_postfix(loss=f"{tot_loss / max(1, epoch_seen):.4f}",
                                         stall=f"{pf.stall_s:.1f}s", refresh=False)
             except ProducerGoneError as e:
                 failure = producer_failure(producer, os.path.join(run_dir, "producer.log"))
@@ -396,11 +433,14 @@ def run(args, threads, cores):
             train_s += dt
             stall_total += pf.stall_s
             acc = evaluate(net, test, ctx)
-            history.append({"epoch": epoch, "seconds": round(dt, 3), "loss": tot_loss / n, "test_acc": acc,
-                            "stall_s": round(pf.stall_s, 3), "samples_per_s": round(n / dt, 1)})
-            log.info("epoch %d/%d: loss %.4f, test accuracy %.4f, %.0f samples/s, stall %.2f s", epoch + 1,
-                     args.epochs, tot_loss / n, acc, n / dt, pf.stall_s)
-            save_checkpoint(run_dir, net, trainer, epoch, {"history": history, "args": vars(args)})
+            loss = tot_loss / max(1, epoch_seen)
+            history.append({"epoch": epoch, "seconds": round(dt, 3), "loss": loss, "test_acc": acc,
+                            "stall_s": round(pf.stall_s, 3), "samples_per_s": round(epoch_seen / dt, 1)})
+            log.info("epoch %d/%d: loss %.4f, test accuracy %.4f, %.0f samples/s, stall %.2f s%s", epoch + 1,
+                     args.epochs, loss, acc, epoch_seen / dt, pf.stall_s,
+                     f" (worker {rank} of {workers})" if workers > 1 else "")
+            save_checkpoint(run_dir, net, trainer, epoch, {"history": history, "args": vars(args),
+                                                           "rank": rank, "workers": workers, "kvstore": args.kvstore})
     finally:
         stop_producer(producer)
         if ring is not None:
@@ -432,6 +472,7 @@ def run(args, threads, cores):
         "target_wait_s": round(reader.stall_s if reader else (ring.stall_s if ring else 0.0), 3),
         "cache_path": cache_path, "fingerprint": spec.fingerprint if spec else None,
         "producer_started": producer is not None, "threads": threads, "ctx": str(ctx),
+        "kvstore": args.kvstore, "rank": rank, "workers": workers,
         "epoch1_s": history[0]["seconds"] if history and start_epoch == 0 else None,
         "wall_s": round(time.perf_counter() - t_start, 3), "history": history,
         "checkpoint": os.path.join(run_dir, "student-symbol.json"),

@@ -1,0 +1,71 @@
+"""Distributed student training on MXNet's kvstore (dist_sync on loopback) and its failures."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from tests.conftest import ROOT
+
+ENV = {**os.environ, "PYTHONPATH": ROOT, "MXNET_SUBGRAPH_VERBOSE": "0"}
+
+
+def launch(tmp_path, *args, workers=2, popen=False):
+    cmd = [sys.executable, "-m", "trainer.launch", "--workers", str(workers), "--",
+           "--quiet", "--runs-dir", str(tmp_path / "runs"), "--cache-dir", str(tmp_path / "caches"), *map(str, args)]
+    if popen:
+        return subprocess.Popen(cmd, env=ENV, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+def params(d, epoch):
+    import mxnet as mx
+    return {k: v.asnumpy() for k, v in mx.nd.load(os.path.join(d, f"student-{epoch:04d}.params")).items()}
+
+
+@pytest.mark.slow
+def test_two_workers_dist_sync_end_equal_and_learn(tmp_path):
+    from tests.helpers import gluon_teacher
+    teacher = str(tmp_path / "t")
+    gluon_teacher(teacher)
+    r = launch(tmp_path, "--teacher", teacher, "--epochs", 3, "--run", "d", "--temperature", 4)
+    assert r.returncode == 0, r.stderr[-3000:]
+    w0, w1 = tmp_path / "runs/d/worker-0", tmp_path / "runs/d/worker-1"
+    a, b = params(w0, 2), params(w1, 2)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert np.array_equal(a[k], b[k]), k
+    for w in (w0, w1):
+        m = json.load(open(w / "metrics.json"))
+        assert m["workers"] == 2 and m["kvstore"] == "dist_sync"
+        losses = [h["loss"] for h in m["history"]]
+        assert losses[-1] < losses[0]
+    m0, m1 = json.load(open(w0 / "metrics.json")), json.load(open(w1 / "metrics.json"))
+    assert m0["producer_started"] and not m1["producer_started"]  # worker 0 feeds the shared cache
+    assert m0["fingerprint"] == m1["fingerprint"] and m0["test_acc"] == m1["test_acc"]
+
+
+@pytest.mark.slow
+def test_a_killed_worker_ends_the_job_with_a_clear_error(tmp_path):
+    p = launch(tmp_path, "--teacher-mode", "none", "--dataset", "synthetic:n=200000,classes=10,shape=1x8x8",
+               "--epochs", 1, "--batch-size", 32, "--run", "k", popen=True)
+    deadline = time.monotonic() + 120
+    victim = None
+    while victim is None and time.monotonic() < deadline:
+        out = subprocess.run(["pgrep", "-f", "--", "--kvstore dist_sync"], capture_output=True, text=True).stdout.split()
+        kids = [int(x) for x in out if int(x) != p.pid]
+        if len(kids) >= 2 and (tmp_path / "runs/k/worker-1").exists():
+            victim = kids[-1]
+        time.sleep(0.2)
+    assert victim, "workers did not start"
+    time.sleep(2)
+    os.kill(victim, signal.SIGKILL)
+    t = time.monotonic()
+    out, err = p.communicate(timeout=60)
+    assert time.monotonic() - t < 20
+    assert p.returncode == 2 and "exited with status -9" in err and "stopped" in err
+    assert not subprocess.run(["pgrep", "-f", f"{tmp_path}/runs"], capture_output=True, text=True).stdout.strip()

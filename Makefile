@@ -78,14 +78,8 @@ $(DEFAULT_TEACHER)-symbol.json: | $(STAMP)
 cache: setup $(TEACHER_DEP)  ## fill a cache offline: every (sample, view) of DATASET with TEACHER
 	$(PY) -m cache_builder $(PRODUCER_OPTS)
 
-cache-online: setup $(TEACHER_DEP)  ## producer following the training schedule (EPOCHS, SEED, BATCH_SIZE; SHARDS=n processes)
-	@if [ "$(SHARDS)" = "1" ]; then \
-	  $(PY) -m cache_builder --online --epochs $(EPOCHS) $(PRODUCER_OPTS); \
-	else \
-	  pids=""; for i in $$(seq 0 $$(($(SHARDS) - 1))); do \
-	    $(PY) -m cache_builder --online --epochs $(EPOCHS) --threads 1 --quiet --shard $$i/$(SHARDS) $(PRODUCER_OPTS) & pids="$$pids $$!"; \
-	  done; rc=0; for p in $$pids; do wait $$p || rc=$$?; done; exit $$rc; \
-	fi
+cache-online: setup $(TEACHER_DEP)  ## producer following the training schedule (EPOCHS, SEED, BATCH_SIZE; SHARDS=n shard processes)
+	$(PY) -m cache_builder --online --epochs $(EPOCHS) $(PRODUCER_OPTS) $(if $(filter-out 1,$(SHARDS)),--shards $(SHARDS))
 
 train: setup $(TEACHER_DEP)  ## train STUDENT with KD from the cache (starts a producer when needed)
 	$(PY) -m trainer --student $(STUDENT) --teacher $(TEACHER) --teacher-mode $(TEACHER_MODE) $(SHARED_OPTS) \

@@ -26,9 +26,10 @@ Scenarios, for each pair, each with a fresh cache directory where one is used:
   online         --teacher-mode cache on a cold cache: the trainer starts the producer
   warm           a second experiment on the cache `online` completed: no teacher at all
   ring           --store ring: streamed through shared memory, nothing persisted
-Floors use two more measurements of each pair: "teacher alone" (`python -m cache_builder
---threads 1` filling the train split offline, its work loop's rows/s -> seconds per epoch) and
-"student alone" (student_only's epoch 1).
+Floors use two more measurements of each pair: "teacher alone" (the producer's offline loop,
+cache_builder.produce.produce_offline as `python -m cache_builder` runs it, filling the train
+split into a fresh cache on one thread, in a process of its own: rows/s of the loop -> seconds
+per epoch) and "student alone" (student_only's epoch 1).
 
 Each trainer and producer is watched by a /proc poller (every 0.2 s: VmHWM of the trainer and
 of its children), and the CPU time the other processes of the machine used meanwhile is recorded
@@ -70,8 +71,8 @@ TARGETS = {"light": 1 / 3, "heavy": 2.0}  # teacher forward / student step, one 
 FIRST_SHAPE = {"light": (16, 0), "heavy": (40, 1)}  # the calibration's first guesses (width, extra convs)
 
 # Sizes: full run (~8 min on 2 cores) and --quick (~1.5 min, mostly process start-up).
-FULL = dict(epoch_s=12.0, min_steps=30, max_steps=400, epochs=1, cal_reps=7, cal_tries=4)
-QUICK = dict(epoch_s=1.5, min_steps=6, max_steps=40, epochs=1, cal_reps=3, cal_tries=2)
+FULL = dict(epoch_s=14.0, min_steps=30, max_steps=400, epochs=1, reps=7, tries=4)
+QUICK = dict(epoch_s=1.5, min_steps=6, max_steps=40, epochs=1, reps=3, tries=1)
 
 SCENARIOS = ["student_only", "inline", "inline_async", "inline_async_2w", "online", "warm", "ring"]
 REQUIRED = ["student_only", "inline", "inline_async", "online", "warm", "ring"]
@@ -114,9 +115,72 @@ def teacher_cost(width, extra):
 TEACHER_SHAPES = sorted(((w, e) for w in range(8, 129, 8) for e in range(0, 5)), key=lambda s: teacher_cost(*s))
 
 
-def child_calibrate(out_dir, reps, tries):
+def child_prepare(root, reps, tries, epoch_s, min_steps, max_steps):
+    """Everything before the scenarios, in one process on one thread (an MXNet start-up costs
+    seconds): calibrate and export the teachers, size the data set, time each teacher alone,
+    and build the trainer's teacher-accuracy caches of the test split. Prints one JSON line."""
+    out_dir = os.path.join(root, "teachers")
+    os.makedirs(out_dir, exist_ok=True)
+    cal = calibrate(out_dir, reps, tries)
+    step_s = cal["student_step_ms"] / 1e3
+    steps = int(min(max_steps, max(min_steps, round(epoch_s / step_s))))
+    n = steps * BATCH
+    dataset = f"synthetic:n={n},classes={CLASSES},shape={'x'.join(map(str, SHAPE))}"
+    out = {**cal, "steps_per_epoch": steps, "n": n, "dataset": dataset, "alone": {}, "test_cache": {}}
+    for pair, c in cal["pairs"].items():
+        out["alone"][pair] = teacher_alone(c["prefix"], dataset, os.path.join(root, pair, "caches-offline"))
+        out["test_cache"][pair] = test_split_cache(c["prefix"], dataset, os.path.join(root, pair, "caches-test"))
+    print(json.dumps(out))
+
+
+def teacher_alone(prefix, dataset_arg, cache_dir):
+    """The producer's offline loop (cache_builder.produce.produce_offline, what `python -m
+    cache_builder` runs) filling the train split into a fresh cache on this process's one thread:
+    its rows/s, start-up excluded."""
+    from cache_builder.produce import produce_offline
+    from pipeline.augment import Augment
+    from pipeline.cachespec import build_spec, teacher_identity
+    from pipeline.datasets import load_dataset
+    from pipeline.teacher import Teacher
+    from store import CacheWriter, path_for
+    train = load_dataset(dataset_arg, split="train")
+    spec = build_spec(teacher_identity(prefix), train, views=1, augment=Augment(), seed=SEED, codec="full",
+                      dtype="float16")
+    teacher = Teacher(prefix, batch_size=BATCH)
+    teacher.forward(train.get_batch([0, 1])[0])  # the CLI's class check, before its loop
+    teacher.forwards = 0
+    with CacheWriter(path_for(cache_dir, spec.fingerprint), spec) as w:
+        stats = produce_offline(teacher, train, w, seed=SEED, augment=Augment(), batch_size=BATCH, progress=False)
+    if not w.complete or stats.rows_written != len(train):
+        raise RuntimeError(f"bench: the offline producer left {cache_dir} incomplete ({stats})")
+    return {"rows": stats.rows_written, "rows_per_s": stats.rows_per_s, "loop_s": stats.seconds,
+            "teacher_s": stats.teacher_seconds, "epoch_s": len(train) / stats.rows_per_s}
+
+
+def test_split_cache(prefix, dataset_arg, cache_dir):
+    """The cache of the test split the trainer reads its teacher's accuracy from, under the name the
+    trainer looks up (trainer/train.py: build_spec(teacher, test, codec="full", dtype="float32")).
+    Copied into each fresh cache directory before a run; otherwise the trainer would start a second
+    producer for it, a third MXNet process on two cores, while it trains."""
+    from pipeline.cachespec import build_spec, teacher_identity
+    from pipeline.datasets import load_dataset
+    from pipeline.teacher import Teacher
+    from store import CacheWriter, path_for
+    test = load_dataset(dataset_arg, split="test")
+    spec = build_spec(teacher_identity(prefix), test, codec="full", dtype="float32")
+    teacher = Teacher(prefix, batch_size=BATCH)
+    with CacheWriter(path_for(cache_dir, spec.fingerprint), spec) as w:
+        for a in range(0, len(test), BATCH):
+            idx = np.arange(a, min(len(test), a + BATCH))
+            w.write(idx, teacher.forward(test.get_batch(idx)[0]))
+    if not w.complete:
+        raise RuntimeError(f"bench: the test-split cache in {cache_dir} is incomplete")
+    return w.final
+
+
+def calibrate(out_dir, reps, tries):
     """Time the student's training step and candidate teachers' forwards on one thread; export the
-    light and heavy teachers whose forward/step ratios land nearest 1/3 and 2. Prints one JSON line."""
+    light and heavy teachers whose forward/step ratios land nearest 1/3 and 2."""
     import mxnet as mx
     from mxnet import autograd, gluon
     from pipeline.teacher import Teacher
@@ -194,7 +258,7 @@ def child_calibrate(out_dir, reps, tries):
             shutil.copyfile(best["prefix"] + suffix, final + suffix)
         out["pairs"][name] = {**best, "prefix": final, "target": target, "tries": list(seen.values())}
     out["student_step_ms"] = 1e3 * statistics.median(steps_s)
-    print(json.dumps(out))
+    return out
 
 
 def child_async(a):
@@ -432,17 +496,6 @@ def trainer_argv(dataset, run_dir_root, run, epochs, *, mode, teacher=None, cach
     return argv
 
 
-def producer_argv(teacher, dataset, cache_dir, *, split):
-    """python -m cache_builder offline, with the options under which the trainer looks the cache up
-    (for the test split: what trainer.train.producer_command passes for its teacher-accuracy cache)."""
-    argv = [sys.executable, "-m", "cache_builder", "--quiet", "--json", "--teacher", teacher, "--dataset", dataset,
-            "--split", split, "--seed", str(SEED), "--batch-size", str(BATCH), "--threads", str(THREADS),
-            "--cache-dir", cache_dir, "--views", "1"]
-    if split == "test":
-        argv += ["--augment", "none", "--codec", "full", "--dtype", "float32"]
-    return argv
-
-
 def read_json(path):
     try:
         with open(path) as fh:
@@ -466,39 +519,24 @@ def startup_note(res, run_dir, steps):
     return out
 
 
-def run_pair(pair, cal, dataset, n, epochs, root, kids, ctx=None):
-    """Every scenario of one teacher/student pair; returns {scenario: result} and the teacher-alone run."""
+def run_pair(pair, prep, epochs, root, kids, ctx=None, scenarios=ORDER):
+    """Every scenario of one teacher/student pair, each cache-mode run in a fresh cache directory
+    that holds only the trainer's test-split cache. Returns {scenario: result}."""
     tag = pair + ("-" + ctx.replace(":", "") if ctx else "")
     base = os.path.join(root, tag)
     logs, runs = os.path.join(base, "logs"), os.path.join(base, "runs")
     for d in (logs, runs):
         os.makedirs(d, exist_ok=True)
-    teacher = cal["pairs"][pair]["prefix"]
+    teacher = prep["pairs"][pair]["prefix"]
+    dataset, steps = prep["dataset"], prep["steps_per_epoch"]
     env = child_env()
-    steps = -(-n // BATCH)
-    dirs = {k: os.path.join(base, "caches-" + k) for k in ("offline", "online", "ring")}
-
-    # The trainer's teacher-accuracy cache of the test split, built before any cache-mode run and
-    # copied into each fresh cache directory: otherwise the trainer would start a second producer
-    # for it, a third MXNet process on two cores while training.
-    tst = kids.run(producer_argv(teacher, dataset, dirs["offline"], split="test"), f"{tag} test-split cache",
-                   env=env, log_dir=logs, cwd=base)
-    for k in ("online", "ring"):
-        os.makedirs(dirs[k])
-        shutil.copy2(tst["cache_path"], dirs[k])
-    alone = None
-    if ctx is None:
-        log(f"  {pair}: teacher alone (offline fill of the train split, 1 thread)")
-        alone = kids.run(producer_argv(teacher, dataset, dirs["offline"], split="train"), f"{tag} teacher alone",
-                         env=env, log_dir=logs, cwd=base)
-        if not alone.get("complete") or alone.get("rows_written") != n:
-            raise RuntimeError(f"bench: the offline producer did not fill the cache: {alone}")
-        alone["epoch_s"] = n / alone["rows_per_s"]
-        log(f"    {alone['rows_per_s']:.0f} rows/s -> {alone['epoch_s']:.2f} s per epoch "
-            f"({alone['_wall_s']:.1f} s wall with start-up)")
+    dirs = {k: os.path.join(base, "caches-" + k) for k in ("online", "ring")}
+    for d in dirs.values():
+        os.makedirs(d)
+        shutil.copy2(prep["test_cache"][pair], d)
 
     out = {}
-    for sc in ORDER:
+    for sc in scenarios:
         run = f"{tag}-{sc}"
         if sc.startswith("inline_async"):
             workers = 2 if sc == "inline_async_2w" else None
@@ -527,7 +565,7 @@ def run_pair(pair, cal, dataset, n, epochs, root, kids, ctx=None):
             f"{res['stall_s'] if res['stall_s'] is not None else '-'} s, teacher forwards {res['teacher_forwards']}, "
             f"peak RSS {res['_peak_rss_mib']} MiB, {res['_cpu']['tree_cores'] or 0:.2f} cores used, other "
             f"processes {res['_cpu']['other_cores'] or 0:.2f} cores ({res['_wall_s']:.1f} s wall)")
-    return out, alone, tst
+    return out
 
 
 def result_rows(pair, runs, section):
@@ -669,19 +707,18 @@ def main(argv=None):
     ap.add_argument("--tmp", default=None, help="directory for teachers, caches and runs (default: the system temp "
                                                 "dir); everything written there is removed")
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory (runs, logs) for inspection")
-    ap.add_argument("--child", choices=["calibrate", "async"], help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=["prepare", "async"], help=argparse.SUPPRESS)
     ap.add_argument("--teacher", help=argparse.SUPPRESS)
     ap.add_argument("--dataset", help=argparse.SUPPRESS)
     ap.add_argument("--student", default=STUDENT, help=argparse.SUPPRESS)
     ap.add_argument("--epochs", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--batch-size", type=int, default=BATCH, help=argparse.SUPPRESS)
     ap.add_argument("--ctx", default="cpu", help=argparse.SUPPRESS)
-    ap.add_argument("--dir", help=argparse.SUPPRESS)
-    ap.add_argument("--reps", type=int, default=5, help=argparse.SUPPRESS)
-    ap.add_argument("--tries", type=int, default=3, help=argparse.SUPPRESS)
+    ap.add_argument("--root", help=argparse.SUPPRESS)
+    ap.add_argument("--sizes", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.child == "calibrate":
-        child_calibrate(args.dir, args.reps, args.tries)
+    if args.child == "prepare":
+        child_prepare(args.root, **json.loads(args.sizes))
         return 0
     if args.child == "async":
         child_async(args)
@@ -705,40 +742,39 @@ def main(argv=None):
     try:
         log(f"{'quick' if args.quick else 'full'} run, temp dir {root}, load average {load_start[0]:.2f} "
             f"{load_start[1]:.2f} {load_start[2]:.2f}")
-        teachers = os.path.join(root, "teachers")
-        os.makedirs(teachers)
-        log("calibrating the teachers against the student's step (1 thread)")
-        cal = kids.run([sys.executable, "-m", "bench.kd", "--child", "calibrate", "--dir", teachers,
-                        "--reps", str(p["cal_reps"]), "--tries", str(p["cal_tries"])], "calibration",
-                       env=child_env(), log_dir=root, cwd=root)
-        for pair, c in cal["pairs"].items():
-            log(f"  {pair}: width {c['width']} + {c['extra_convs']} convs, forward {c['forward_ms']:.1f} ms vs student step {c['step_ms']:.1f} ms "
-                f"per batch of {BATCH}: ratio {c['ratio']:.3f} (target {c['target']:.3f})")
-        step_s = cal["student_step_ms"] / 1e3
-        steps = int(min(p["max_steps"], max(p["min_steps"], round(p["epoch_s"] / step_s))))
-        n = steps * BATCH
-        epochs = p["epochs"]
-        dataset = f"synthetic:n={n},classes={CLASSES},shape={'x'.join(map(str, SHAPE))}"
-        log(f"data set {dataset}: {steps} steps of {BATCH} per epoch (~{steps * step_s:.1f} s of student), "
-            f"{epochs} epoch(s)")
+        log("calibrating the teachers against the student's step, sizing the data set, timing each teacher alone "
+            "(one process, 1 thread)")
+        sizes = {k: p[k] for k in ("reps", "tries", "epoch_s", "min_steps", "max_steps")}
+        prep = kids.run([sys.executable, "-m", "bench.kd", "--child", "prepare", "--root", root,
+                         "--sizes", json.dumps(sizes)], "prepare", env=child_env(), log_dir=root, cwd=root)
+        n, steps, dataset, epochs = prep["n"], prep["steps_per_epoch"], prep["dataset"], p["epochs"]
+        alone = prep["alone"]
+        for pair, c in prep["pairs"].items():
+            log(f"  {pair}: width {c['width']} + {c['extra_convs']} convs, forward {c['forward_ms']:.1f} ms vs "
+                f"student step {c['step_ms']:.1f} ms per batch of {BATCH}: ratio {c['ratio']:.3f} (target "
+                f"{c['target']:.3f}); teacher alone {alone[pair]['rows_per_s']:.0f} rows/s = "
+                f"{alone[pair]['epoch_s']:.2f} s per epoch")
+        log(f"data set {dataset}: {steps} steps of {BATCH} per epoch (~{steps * prep['student_step_ms'] / 1e3:.1f} s "
+            f"of student), {epochs} epoch(s)")
+        scenarios = [sc for sc in ORDER if sc in REQUIRED or not args.quick]
 
-        by, alone, tests = {}, {}, {}
+        by = {}
         for pair in TARGETS:
             log(f"pair {pair}")
-            by[pair], alone[pair], tests[pair] = run_pair(pair, cal, dataset, n, epochs, root, kids)
+            by[pair] = run_pair(pair, prep, epochs, root, kids, scenarios=scenarios)
         gpu = {"skipped": True, "reason": "MXNet sees no GPU (mxnet.context.num_gpus() == 0): CPU-only machine",
                "results": []}
-        if cal.get("num_gpus", 0) > 0:
+        if prep.get("num_gpus", 0) > 0:
             gpu = {"skipped": False, "reason": None, "ctx": "gpu:0", "results": []}
             for pair in TARGETS:
                 log(f"GPU section, pair {pair} (student on gpu:0, teacher on the CPU)")
-                runs, _, _ = run_pair(pair, cal, dataset, n, epochs, root, kids, ctx="gpu:0")
+                runs = run_pair(pair, prep, epochs, root, kids, ctx="gpu:0", scenarios=scenarios)
                 gpu["results"] += result_rows(pair, runs, "gpu")
         else:
             log("GPU section skipped: MXNet sees no GPU")
         heavy_online = by["heavy"]["online"]
         plot_online(heavy_online, png,
-                    f"kdcache online, heavy teacher (forward {cal['pairs']['heavy']['ratio']:.2f}x the student's "
+                    f"kdcache online, heavy teacher (forward {prep['pairs']['heavy']['ratio']:.2f}x the student's "
                     f"step), cold cache: {n} samples, batch {BATCH}, 1 core each")
     finally:
         kids.stop_all()
@@ -750,17 +786,17 @@ def main(argv=None):
     results = [row for pair in TARGETS for row in result_rows(pair, by[pair], "cpu")]
     fl = floors(by, alone)
     calibration = {"student": STUDENT, "batch": BATCH, "threads": THREADS,
-                   "student_step_ms": round(cal["student_step_ms"], 2),
+                   "student_step_ms": round(prep["student_step_ms"], 2),
                    "pairs": {k: {"width": v["width"], "extra_convs": v["extra_convs"], "forward_ms": round(v["forward_ms"], 2),
                                  "student_step_ms": round(v["step_ms"], 2), "ratio": round(v["ratio"], 4),
                                  "target": round(v["target"], 4), "teacher_parameters": v["parameters"],
                                  "tries": [{k2: (round(x, 4) if isinstance(x, float) else x) for k2, x in t.items()
                                             if k2 != "prefix"} for t in v["tries"]]}
-                             for k, v in cal["pairs"].items()}}
-    stages = {pair: {"teacher_alone_rows_per_s": alone[pair]["rows_per_s"],
+                             for k, v in prep["pairs"].items()}}
+    stages = {pair: {"teacher_alone_rows_per_s": round(alone[pair]["rows_per_s"], 1),
                      "teacher_alone_epoch_s": round(alone[pair]["epoch_s"], 3),
-                     "teacher_alone_wall_s": round(alone[pair]["_wall_s"], 3),
-                     "teacher_alone_peak_rss_mib": alone[pair]["_peak_rss_mib"],
+                     "teacher_alone_loop_s": round(alone[pair]["loop_s"], 3),
+                     "teacher_alone_forward_s": round(alone[pair]["teacher_s"], 3),
                      "student_alone_epoch1_s": by[pair]["student_only"]["epoch1_s"]} for pair in TARGETS}
     others = [r["other_processes_cores"] for r in results if r["other_processes_cores"] is not None]
     report = {
@@ -803,8 +839,9 @@ def main(argv=None):
                      f"{stages[pair]['student_alone_epoch1_s']:.2f}"] for pair, c in calibration["pairs"].items()]))
     print("\nTeacher: (Conv-BN-ReLU x2, MaxPool) at widths w, 2w, 4w with the extra Conv-BN-ReLU at 4w, global "
           "average pool, Dense(10); forward via "
-          "pipeline.teacher (the producer's and inline mode's runner). Teacher alone: `python -m cache_builder "
-          "--threads 1` filling the train split offline, rows/s of its work loop (start-up excluded).\n")
+          "pipeline.teacher (the producer's and inline mode's runner). Teacher alone: the producer's offline loop "
+          "(cache_builder.produce.produce_offline) filling the train split into a fresh cache, 1 thread, nothing "
+          "else running: rows/s of the loop (start-up excluded).\n")
     for pair in TARGETS:
         rows = [r for r in results if r["pair"] == pair]
         print(f"## {pair} teacher (forward {calibration['pairs'][pair]['ratio']:.2f}x the student's step)\n")

@@ -48,6 +48,9 @@ def parse_args(argv=None):
     g.add_argument("--batch-size", type=int, default=128, help="teacher batch = training batch (default 128)")
     g.add_argument("--threads", type=int, help="teacher compute threads (default: all cores but one, left to the trainer)")
     g.add_argument("--shard", default="0/1", metavar="i/n", help="fill only keys with key mod n = i (n producers)")
+    g.add_argument("--shards", type=int, default=1, metavar="N",
+                   help="fork N shard producers after loading the data set once (each --threads, default "
+                        "cores/N); the same as N commands with --shard 0/N .. N-1/N, minus N-1 start-ups")
     g.add_argument("--ring", metavar="NAME", help="stream to the shared-memory ring NAME instead of a cache file "
                    "(pure streaming: keys are (sample, epoch), nothing is persisted; implies --online)")
     g.add_argument("--ring-capacity", type=int, metavar="ROWS",
@@ -91,6 +94,8 @@ def main(argv=None):
     # Threads must be fixed before MXNet is imported: only OMP_NUM_THREADS limits its compute.
     from cache_builder.produce import default_threads
     default, cores = default_threads()
+    if args.shards > 1:
+        default = max(1, cores // args.shards)
     threads = args.threads or int(os.environ.get("KDCACHE_TEACHER_THREADS", 0)) or default
     os.environ["OMP_NUM_THREADS"] = str(threads)
     os.environ.setdefault("MXNET_SUBGRAPH_VERBOSE", "0")
@@ -126,11 +131,9 @@ def write_timeline(path, timeline):
 
 
 def run(args, log):
-    from cache_builder.produce import CacheSink, produce_offline, produce_online
-    from pipeline.teacher import Teacher
     from pipeline.cachespec import build_spec, parse_teacher_arg, resolve_augment, teacher_identity
     from pipeline.datasets import load_dataset
-    from store import CacheWriter, path_for
+    from store import path_for
 
     if args.batch_size < 1 or args.views < 1 or args.epochs < 1:
         raise ValueError("--batch-size, --views and --epochs must be at least 1")
@@ -153,10 +156,83 @@ def run(args, log):
               "teacher_forwards": 0, "reused": False, "complete": False, "shard": args.shard}
     timeline = [] if args.timeline else None
     if args.ring:
+        if args.shards > 1 or args.shard != "0/1":
+            raise ValueError("--ring streams from one producer: drop --shard/--shards")
         try:
             return run_ring(args, log, prefix, epoch, mean, std, size, dataset, augment, spec, result, timeline)
         finally:
             write_timeline(args.timeline, timeline)
+    if args.shards < 1:
+        raise ValueError("--shards must be at least 1")
+    if args.shards > 1:
+        return run_shards(args, log, path, spec, result, t0,
+                          lambda i: fill(args, log, (i, args.shards), path, spec, dataset, augment, prefix, epoch,
+                                         mean, std, size, dict(result, shard=f"{i}/{args.shards}"), t0, None))
+    return report(args, log, spec, fill(args, log, shard, path, spec, dataset, augment, prefix, epoch, mean, std,
+                                        size, result, t0, timeline))
+
+
+def report(args, log, spec, result):
+    log.info("%s: %s (fingerprint %s); %d rows written, teacher ran on %d samples",
+             "complete" if result["complete"] else "in progress", result["cache_path"], spec.fingerprint,
+             result["rows_written"], result["teacher_forwards"])
+    print(result["cache_path"])
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+def run_shards(args, log, path, spec, result, t0, fill_shard):
+    """Fork one producer per shard after the data set is loaded once; gather their results."""
+    if args.shard != "0/1":
+        raise ValueError("--shards N forks shards 0/N .. N-1/N itself: drop --shard")
+    children = {}
+    for i in range(args.shards):
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the shard: fill, hand the result back, leave without the parent's clean-up
+            os.close(r)
+            code = 0
+            try:
+                out = fill_shard(i)
+            except KeyboardInterrupt:
+                out, code = {"error": "interrupted"}, 130
+            except Exception as e:  # reported by the parent as one line
+                out, code = {"error": str(e)}, 2
+            with os.fdopen(w, "w") as fh:
+                json.dump(out, fh)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        os.close(w)
+        children[pid] = (i, r)
+    results, errors = [], []
+    for pid, (i, r) in children.items():
+        with os.fdopen(r) as fh:
+            raw = fh.read()
+        _, status = os.waitpid(pid, 0)
+        out = json.loads(raw) if raw else {"error": f"shard {i}/{args.shards} died (status {status})"}
+        (errors if "error" in out else results).append((i, out))
+    if errors:
+        raise ValueError("; ".join(f"shard {i}/{args.shards}: {o['error']}" for i, o in errors))
+    from store.registry import final_path
+    complete = os.path.exists(final_path(path))
+    result.update(shard=f"0..{args.shards - 1}/{args.shards}", complete=complete,
+                  cache_path=final_path(path) if complete else path + ".parts",
+                  rows_written=sum(o["rows_written"] for _, o in results),
+                  teacher_forwards=sum(o["teacher_forwards"] for _, o in results),
+                  reused=all(o["reused"] for _, o in results),
+                  rows_per_s=round(sum(o.get("rows_per_s", 0) for _, o in results), 1),
+                  seconds=round(time.perf_counter() - t0, 3), shards=[o for _, o in sorted(results)])
+    return report(args, log, spec, result)
+
+
+def fill(args, log, shard, path, spec, dataset, augment, prefix, epoch, mean, std, size, result, t0, timeline):
+    """Fill this shard of the cache (offline or following the schedule); returns the result dict."""
+    from cache_builder.produce import CacheSink, produce_offline, produce_online
+    from pipeline.teacher import Teacher
+    from store import CacheWriter
+    args_shard = f"{shard[0]}/{shard[1]}"
     writer = CacheWriter(path, spec, shard=shard)
     try:
         if writer.complete or writer.remaining == 0:
@@ -165,7 +241,7 @@ def run(args, log):
             result["reused"] = True
         else:
             log.info("cache %s: %d of %d rows to compute (shard %s)", spec.fingerprint, writer.remaining,
-                     spec.num_keys, args.shard)
+                     spec.num_keys, args_shard)
             teacher = Teacher(prefix, epoch, input_name=args.teacher_input, mean=mean, std=std, size=size,
                               batch_size=args.batch_size)
             check_classes(teacher, dataset)
@@ -186,13 +262,7 @@ def run(args, log):
     complete = writer.close()
     result.update(complete=bool(complete), seconds=round(time.perf_counter() - t0, 3),
                   cache_path=path + ".h5" if complete else path + ".parts")
-    log.info("%s: %s (fingerprint %s); %d rows written, teacher ran on %d samples",
-             "complete" if complete else "in progress", result["cache_path"], spec.fingerprint,
-             result["rows_written"], result["teacher_forwards"])
-    print(result["cache_path"])
-    if args.json:
-        print(json.dumps(result))
-    return 0
+    return result
 
 
 def check_classes(teacher, dataset):

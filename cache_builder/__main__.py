@@ -62,25 +62,6 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def _floats(s, what):
-    if s is None:
-        return None
-    try:
-        return [float(v) for v in str(s).split(",")]
-    except ValueError:
-        raise ValueError(f"{what} {s!r}: use numbers separated by commas, e.g. 0.485,0.456,0.406") from None
-
-
-def _hw(s, what):
-    if not s:
-        return None
-    try:
-        h, w = (int(v) for v in s.lower().split("x"))
-        return h, w
-    except ValueError:
-        raise ValueError(f"{what} {s!r}: use HxW, e.g. 224x224") from None
-
-
 def _shard(s):
     try:
         i, n = (int(v) for v in s.split("/"))
@@ -131,23 +112,18 @@ def write_timeline(path, timeline):
 
 
 def run(args, log):
-    from pipeline.cachespec import build_spec, parse_teacher_arg, resolve_augment, teacher_identity
+    from pipeline.cachespec import TeacherOptions, spec_from_args
     from pipeline.datasets import load_dataset
     from store import path_for
 
     if args.batch_size < 1 or args.views < 1 or args.epochs < 1:
         raise ValueError("--batch-size, --views and --epochs must be at least 1")
     shard = _shard(args.shard)
-    prefix, epoch = parse_teacher_arg(args.teacher)
-    mean, std = _floats(args.teacher_mean, "--teacher-mean"), _floats(args.teacher_std, "--teacher-std")
-    size = _hw(args.teacher_size, "--teacher-size")
+    topt = TeacherOptions.from_args(args)
     t0 = time.perf_counter()
     dataset = load_dataset(args.dataset, data_root=args.data_root, split=args.split,
                            image_size=args.image_size, num_classes=args.num_classes)
-    augment = resolve_augment(args.augment, dataset.name, args.views)
-    tid = teacher_identity(prefix, epoch, input_name=args.teacher_input, mean=mean, std=std, size=size)
-    spec = build_spec(tid, dataset, views=args.views, augment=augment, seed=args.seed, codec=args.codec,
-                      dtype=args.dtype)
+    spec, augment = spec_from_args(args, dataset, topt)
     path = args.cache or path_for(args.cache_dir, spec.fingerprint)
     log.info("data set %s/%s: %d samples, %d classes; %d view(s), augment %s; codec %s/%s",
              dataset.name, dataset.split, len(dataset), dataset.num_classes, spec.views, augment.spec,
@@ -159,17 +135,17 @@ def run(args, log):
         if args.shards > 1 or args.shard != "0/1":
             raise ValueError("--ring streams from one producer: drop --shard/--shards")
         try:
-            return run_ring(args, log, prefix, epoch, mean, std, size, dataset, augment, spec, result, timeline)
+            return run_ring(args, log, topt, dataset, augment, spec, result, timeline)
         finally:
             write_timeline(args.timeline, timeline)
     if args.shards < 1:
         raise ValueError("--shards must be at least 1")
     if args.shards > 1:
         return run_shards(args, log, path, spec, result, t0,
-                          lambda i: fill(args, log, (i, args.shards), path, spec, dataset, augment, prefix, epoch,
-                                         mean, std, size, dict(result, shard=f"{i}/{args.shards}"), t0, None))
-    return report(args, log, spec, fill(args, log, shard, path, spec, dataset, augment, prefix, epoch, mean, std,
-                                        size, result, t0, timeline))
+                          lambda i: fill(args, log, (i, args.shards), path, spec, dataset, augment, topt,
+                                         dict(result, shard=f"{i}/{args.shards}"), t0, None))
+    return report(args, log, spec, fill(args, log, shard, path, spec, dataset, augment, topt, result, t0,
+                                        timeline))
 
 
 def report(args, log, spec, result):
@@ -227,10 +203,9 @@ def run_shards(args, log, path, spec, result, t0, fill_shard):
     return report(args, log, spec, result)
 
 
-def fill(args, log, shard, path, spec, dataset, augment, prefix, epoch, mean, std, size, result, t0, timeline):
+def fill(args, log, shard, path, spec, dataset, augment, topt, result, t0, timeline):
     """Fill this shard of the cache (offline or following the schedule); returns the result dict."""
     from cache_builder.produce import CacheSink, produce_offline, produce_online
-    from pipeline.teacher import Teacher
     from store import CacheWriter
     args_shard = f"{shard[0]}/{shard[1]}"
     writer = CacheWriter(path, spec, shard=shard)
@@ -242,8 +217,7 @@ def fill(args, log, shard, path, spec, dataset, augment, prefix, epoch, mean, st
         else:
             log.info("cache %s: %d of %d rows to compute (shard %s)", spec.fingerprint, writer.remaining,
                      spec.num_keys, args_shard)
-            teacher = Teacher(prefix, epoch, input_name=args.teacher_input, mean=mean, std=std, size=size,
-                              batch_size=args.batch_size)
+            teacher = topt.load(args.batch_size)
             check_classes(teacher, dataset)
             if args.online:
                 stats = produce_online(teacher, dataset, CacheSink(writer), seed=args.seed, augment=augment,
@@ -276,10 +250,9 @@ def check_classes(teacher, dataset):
                            f"{dataset.num_classes}: pass the teacher trained for this data set (or --num-classes)")
 
 
-def run_ring(args, log, prefix, epoch, mean, std, size, dataset, augment, spec, result, timeline):
+def run_ring(args, log, topt, dataset, augment, spec, result, timeline):
     """Stream the schedule's targets into a shared-memory ring (the trainer reads and frees them)."""
     from cache_builder.produce import RingSink, produce_online
-    from pipeline.teacher import Teacher
     from store.ring import RingWriter
     create = args.ring_capacity is not None
     ring = RingWriter(args.ring, create=create, capacity=args.ring_capacity, num_classes=spec.num_classes,
@@ -288,8 +261,7 @@ def run_ring(args, log, prefix, epoch, mean, std, size, dataset, augment, spec, 
              ring.name, ring.capacity, args.epochs)
     ok = False
     try:
-        teacher = Teacher(prefix, epoch, input_name=args.teacher_input, mean=mean, std=std, size=size,
-                          batch_size=args.batch_size)
+        teacher = topt.load(args.batch_size)
         check_classes(teacher, dataset)
         stats = produce_online(teacher, dataset, RingSink(ring, spec), seed=args.seed, augment=augment,
                                batch_size=args.batch_size, epochs=args.epochs, progress=not args.quiet,

@@ -3,6 +3,7 @@
 Both sides compute the same CacheSpec from the same options without running anything: the
 producer to write the cache, the trainer to find it (and to refuse a cache built from others).
 """
+import dataclasses
 import glob
 import os
 import re
@@ -84,3 +85,60 @@ def build_spec(teacher_id, dataset, *, views=1, augment=None, seed=0, codec="ful
               "augment": aug.spec if aug.active else None, "augment_seed": int(seed) if aug.active else None}
     return CacheSpec(num_samples=len(dataset), num_classes=int(dataset.num_classes), views=int(views),
                      codec=codec, dtype=dtype, inputs=inputs)
+
+
+def parse_floats(s, what):
+    """'0.485,0.456,0.406' -> [floats]; None stays None."""
+    if s is None:
+        return None
+    try:
+        return [float(v) for v in str(s).split(",")]
+    except ValueError:
+        raise ValueError(f"{what} {s!r}: use numbers separated by commas, e.g. 0.485,0.456,0.406") from None
+
+
+def parse_hw(s, what):
+    """'224x224' -> (224, 224); empty stays None."""
+    if not s:
+        return None
+    try:
+        h, w = (int(v) for v in str(s).lower().split("x"))
+        return h, w
+    except ValueError:
+        raise ValueError(f"{what} {s!r}: use HxW, e.g. 224x224") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class TeacherOptions:
+    """The teacher as both command lines name it: checkpoint and preprocessing."""
+    prefix: str
+    epoch: object = None
+    input_name: object = None
+    mean: object = None
+    std: object = None
+    size: object = None
+
+    @classmethod
+    def from_args(cls, args, teacher=None):
+        """From --teacher PREFIX[:EPOCH] (or `teacher`), --teacher-input/-mean/-std/-size."""
+        prefix, epoch = parse_teacher_arg(teacher or args.teacher)
+        return cls(prefix, epoch, args.teacher_input, parse_floats(args.teacher_mean, "--teacher-mean"),
+                   parse_floats(args.teacher_std, "--teacher-std"), parse_hw(args.teacher_size, "--teacher-size"))
+
+    def identity(self):
+        return teacher_identity(self.prefix, self.epoch, input_name=self.input_name, mean=self.mean,
+                                std=self.std, size=self.size)
+
+    def load(self, batch_size=128):
+        """The runnable teacher (imports MXNet)."""
+        from .teacher import Teacher
+        return Teacher(self.prefix, self.epoch, input_name=self.input_name, mean=self.mean, std=self.std,
+                       size=self.size, batch_size=batch_size)
+
+
+def spec_from_args(args, dataset, teacher):
+    """(CacheSpec, Augment) for the shared options (--views, --augment, --seed, --codec, --dtype)."""
+    augment = resolve_augment(args.augment, dataset.name, args.views)
+    spec = build_spec(teacher.identity(), dataset, views=args.views, augment=augment, seed=args.seed,
+                      codec=args.codec, dtype=args.dtype)
+    return spec, augment

@@ -170,33 +170,11 @@ class CacheReader:
     # -- keys ---------------------------------------------------------------------------------
     def flat_keys(self, indices, views=0):
         """Flat keys (index * views + view), checked against the cache's shape."""
-        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
-        n, nv = self.spec.num_samples, self.spec.views
-        scalar_view = np.ndim(views) == 0
-        if scalar_view and nv == 1 and views == 0:
-            keys = idx  # the classic case: the key is the sample index
-        elif scalar_view:
-            if not 0 <= int(views) < nv:
-                raise BadInputError(f"view {int(views)} out of range [0, {nv}): the cache holds {nv} view(s)")
-            keys = idx * nv + int(views)
-        else:
-            v = np.asarray(views, dtype=np.int64).reshape(-1)
-            if v.size and (v.min() < 0 or v.max() >= nv):
-                raise BadInputError(f"views {v[(v < 0) | (v >= nv)][:5].tolist()} out of range [0, {nv}): "
-                                    f"the cache holds {nv} view(s)")
-            keys = idx * nv + v
-        # Negative indices would wrap around silently: check them here. Indices >= n make keys
-        # >= n * views, which the gather itself refuses (IndexError -> _index_error).
-        if idx.size and (idx.min() < 0 or not self.in_ram):
-            if idx.min() < 0 or idx.max() >= n:
-                raise self._index_error(idx)
-        return keys
+        return schema.flat_keys(indices, views, self.spec.num_samples, self.spec.views,
+                                check_upper=not self.in_ram)
 
     def _index_error(self, idx):
-        n = self.spec.num_samples
-        bad = idx[(idx < 0) | (idx >= n)][:5]
-        return BadInputError(f"sample indices {bad.tolist()} out of range [0, {n}): this cache was built "
-                             f"for a data set of {n} samples; pass the matching --dataset or cache")
+        return schema.index_error(idx, self.spec.num_samples)
 
     @property
     def progress(self):

@@ -72,6 +72,39 @@ META_FIELDS = (A_FORMAT, A_FINGERPRINT, A_INPUTS, A_NUM_SAMPLES, A_VIEWS, A_NUM_
                A_CODEC, A_DTYPE, A_TOOL_VERSION, A_CREATED, A_KEY_LAYOUT)
 
 
+def flat_keys(indices, views, num_samples, num_views, *, check_upper=True):
+    """Flat keys (index * num_views + view) of sample indices and view(s), range-checked.
+
+    check_upper=False leaves indices >= num_samples to the caller's gather, which refuses them
+    anyway (a key >= num_samples * num_views): one reduction less on the reader's hot path.
+    """
+    from .errors import BadInputError
+    idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+    if np.ndim(views) == 0:
+        v = int(views)
+        if not 0 <= v < num_views:
+            raise BadInputError(f"view {v} out of range [0, {num_views}): the cache holds {num_views} view(s); "
+                                f"pass the same --views as when it was built")
+        keys = idx if (num_views == 1 and v == 0) else idx * num_views + v
+    else:
+        vs = np.asarray(views, dtype=np.int64).reshape(-1)
+        if vs.size and (vs.min() < 0 or vs.max() >= num_views):
+            raise BadInputError(f"views {vs[(vs < 0) | (vs >= num_views)][:5].tolist()} out of range "
+                                f"[0, {num_views}): the cache holds {num_views} view(s); pass the same --views "
+                                f"as when it was built")
+        keys = idx * num_views + vs
+    if idx.size and (idx.min() < 0 or (check_upper and idx.max() >= num_samples)):
+        raise index_error(idx, num_samples)
+    return keys
+
+
+def index_error(idx, num_samples):
+    from .errors import BadInputError
+    bad = idx[(idx < 0) | (idx >= num_samples)][:5]
+    return BadInputError(f"sample indices {bad.tolist()} out of range [0, {num_samples}): this cache is for a "
+                         f"data set of {num_samples} samples; pass the matching --dataset or cache")
+
+
 def meta_from_attrs(attrs):
     """Plain-Python metadata dict from an HDF5 attribute mapping (no pickle involved)."""
     out = {}

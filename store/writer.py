@@ -214,18 +214,7 @@ class CacheWriter:
         return int(self._todo.sum())
 
     def flat_keys(self, indices, views=0):
-        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
-        v = np.broadcast_to(np.asarray(views, dtype=np.int64), idx.shape)
-        n, nv = self.spec.num_samples, self.spec.views
-        if idx.size and (idx.min() < 0 or idx.max() >= n):
-            bad = idx[(idx < 0) | (idx >= n)][:5]
-            raise BadInputError(f"sample indices {bad.tolist()} are out of range [0, {n}): the data set "
-                                f"and the cache disagree on its length; rebuild with the right --dataset")
-        if v.size and (v.min() < 0 or v.max() >= nv):
-            bad = v[(v < 0) | (v >= nv)][:5]
-            raise BadInputError(f"views {bad.tolist()} are out of range [0, {nv}): the cache has {nv} "
-                                f"view(s); pass the same --views as when it was built")
-        return idx * nv + v
+        return schema.flat_keys(indices, views, self.spec.num_samples, self.spec.views)
 
     # -- writing ------------------------------------------------------------------------------
     def write(self, indices, logits, views=0):

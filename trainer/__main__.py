@@ -12,20 +12,14 @@ def cache_complete(args):
         return False
     try:
         import os.path
-        from pipeline.cachespec import build_spec, parse_teacher_arg, resolve_augment, teacher_identity
+        from pipeline.cachespec import TeacherOptions, spec_from_args
         from pipeline.datasets import load_dataset
         from store import path_for, registry
         from trainer.options import DEFAULT_TEACHER
         if args.dataset.split(":")[0] in ("recordio", "imagefolder"):
             return False  # decoding them loads MXNet: keep the split
-        prefix, epoch = parse_teacher_arg(args.teacher or DEFAULT_TEACHER)
         train = load_dataset(args.dataset, data_root=args.data_root, split="train", num_classes=args.num_classes)
-        size = tuple(int(v) for v in args.teacher_size.lower().split("x")) if args.teacher_size else None
-        fl = lambda v: None if v is None else [float(x) for x in v.split(",")]
-        tid = teacher_identity(prefix, epoch, input_name=args.teacher_input, mean=fl(args.teacher_mean),
-                               std=fl(args.teacher_std), size=size)
-        spec = build_spec(tid, train, views=args.views, augment=resolve_augment(args.augment, train.name, args.views),
-                          seed=args.seed, codec=args.codec, dtype=args.dtype)
+        spec, _ = spec_from_args(args, train, TeacherOptions.from_args(args, args.teacher or DEFAULT_TEACHER))
         base = registry.base_path(args.cache) if args.cache != "auto" else path_for(args.cache_dir, spec.fingerprint)
         return os.path.exists(registry.final_path(base))
     except Exception:

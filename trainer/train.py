@@ -16,7 +16,7 @@ from mxnet import autograd, gluon
 from tqdm import tqdm
 
 from pipeline.augment import make_views
-from pipeline.cachespec import build_spec, parse_teacher_arg, resolve_augment, teacher_identity
+from pipeline.cachespec import TeacherOptions, build_spec, resolve_augment, spec_from_args
 from pipeline.datasets import load_dataset
 from pipeline.schedule import schedule, steps_per_epoch
 from store import CacheReader, ProducerGoneError, path_for, registry
@@ -49,30 +49,23 @@ def resolve_ctx(arg):
     raise TrainError(f"--ctx {arg!r}: use auto, cpu or gpu:0[,1,...]")
 
 
-def floats(s):
-    return None if s is None else [float(v) for v in str(s).split(",")]
-
-
-def hw(s):
-    return None if not s else tuple(int(v) for v in s.lower().split("x"))
-
-
-def teacher_prefix(args):
+def teacher_arg(args):
+    """--teacher, or the default digits teacher `make teacher` builds."""
     if args.teacher:
-        return parse_teacher_arg(args.teacher)
+        return args.teacher
     if args.dataset == "digits":
         prefix = os.path.join(ROOT, "teachers", "digits")
         if not os.path.exists(prefix + "-symbol.json"):
             raise TrainError(f"the default digits teacher {prefix}-symbol.json is missing: run `make teacher` "
                              f"(or pass --teacher PREFIX)")
-        return prefix, None
+        return prefix
     raise TrainError(f"--teacher-mode {args.teacher_mode} needs --teacher PREFIX[:EPOCH] for data set {args.dataset}")
 
 
-def producer_command(args, prefix, epoch, spec_path, *, split="train", online=True, threads=1, ring=None):
+def producer_command(args, topt, spec_path, *, split="train", online=True, threads=1, ring=None):
     """The public entry point of the producer, with the options that make the same cache."""
     cmd = [sys.executable, "-m", "cache_builder", "--quiet", "--json",
-           "--teacher", f"{prefix}:{epoch}" if epoch is not None else prefix,
+           "--teacher", f"{topt.prefix}:{topt.epoch}" if topt.epoch is not None else topt.prefix,
            "--dataset", args.dataset, "--split", split, "--views", str(args.views if split == "train" else 1),
            "--augment", args.augment if split == "train" else "none", "--seed", str(args.seed),
            "--codec", args.codec if split == "train" else "full",
@@ -294,15 +287,11 @@ def run(args, threads, cores):
     targets = None
     mode = args.teacher_mode
     if mode != "none":
-        prefix, epoch = teacher_prefix(args)
-        tmean, tstd, tsize = floats(args.teacher_mean), floats(args.teacher_std), hw(args.teacher_size)
-        tid = teacher_identity(prefix, epoch, input_name=args.teacher_input, mean=tmean, std=tstd, size=tsize)
-        spec = build_spec(tid, train, views=args.views, augment=augment, seed=args.seed, codec=args.codec,
-                          dtype=args.dtype)
+        topt = TeacherOptions.from_args(args, teacher_arg(args))
+        spec, _ = spec_from_args(args, train, topt)
+        tid = spec.inputs["teacher"]
     if mode == "inline":
-        from pipeline.teacher import Teacher
-        teacher = Teacher(prefix, epoch, input_name=args.teacher_input, mean=tmean, std=tstd, size=tsize,
-                          batch_size=args.batch_size)
+        teacher = topt.load(args.batch_size)
         teacher_acc = float((teacher.forward(test.get_batch(np.arange(len(test)))[0]).argmax(1) == test.labels).mean())
         teacher.forwards = 0
     elif mode == "cache":
@@ -312,7 +301,7 @@ def run(args, threads, cores):
             ring = RingReader(f"kdcache-ring-{os.getpid()}-{run_name}"[:60], create=True, capacity=args.ring_capacity,
                               num_classes=spec.num_classes, codec=spec.codec, dtype=spec.dtype,
                               timeout=args.wait_timeout)
-            producer = start_producer(producer_command(args, prefix, epoch, None, threads=ptheads, ring=ring.name),
+            producer = start_producer(producer_command(args, topt, None, threads=ptheads, ring=ring.name),
                                       os.path.join(run_dir, "producer.log"))
             targets = lambda st: ring.get(st.indices, st.epoch)
             cache_path = None
@@ -327,7 +316,7 @@ def run(args, threads, cores):
                 if alive:
                     log.info("a producer is already filling cache %s: reading behind it", spec.fingerprint)
                 else:
-                    producer = start_producer(producer_command(args, prefix, epoch, base, threads=ptheads),
+                    producer = start_producer(producer_command(args, topt, base, threads=ptheads),
                                               os.path.join(run_dir, "producer.log"))
             elif complete:
                 log.info("cache %s is complete: the teacher costs nothing in this run", spec.fingerprint)
@@ -351,7 +340,7 @@ def run(args, threads, cores):
         tspec = build_spec(tid, test, codec="full", dtype="float32")
         tbase = path_for(args.cache_dir, tspec.fingerprint)
         if not os.path.exists(final_path(tbase)) and rank == 0:
-            test_producer = start_producer(producer_command(args, prefix, epoch, tbase, split="test", online=False,
+            test_producer = start_producer(producer_command(args, topt, tbase, split="test", online=False,
                                                             threads=1), os.path.join(run_dir, "producer-test.log"))
         elif rank == 0:
             teacher_acc = teacher_accuracy(tbase, tspec, test)

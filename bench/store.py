@@ -34,7 +34,7 @@ import time  # noqa: E402
 import h5py  # noqa: E402
 import numpy as np  # noqa: E402
 
-from store import CacheReader, CacheSpec, CacheWriter, path_for  # noqa: E402
+from store import CacheNotFoundError, CacheReader, CacheSpec, CacheWriter, path_for  # noqa: E402
 
 BATCH = 256
 DEFAULT_OUT = os.path.join("bench", "results", "store.json")
@@ -423,6 +423,63 @@ def bench_out_of_core(p, gather_ctx):
 
 
 # -- main ---------------------------------------------------------------------------------------
+VISIBILITY_WRITER = """
+import sys, time, numpy as np
+sys.path.insert(0, sys.argv[1])
+from store import CacheSpec, CacheWriter
+spec = CacheSpec(num_samples=int(sys.argv[3]), num_classes=8, dtype="float32", inputs={"bench": "visibility"})
+t0 = float(sys.argv[4])
+with CacheWriter(sys.argv[2], spec) as w:
+    for i in range(spec.num_samples):
+        row = np.zeros((1, 8), np.float32)
+        row[0, 0] = time.time() - t0  # when this row was handed to the writer
+        w.write([i], row)
+        time.sleep(0.01)
+"""
+
+
+def bench_visibility(root, p):
+    """How soon a row a producer process commits is visible to a reader in this process."""
+    import subprocess
+    n = p.get("visibility_rows", 200)
+    spec = CacheSpec(num_samples=n, num_classes=8, dtype="float32", inputs={"bench": "visibility"})
+    path = path_for(os.path.join(root, "visibility"), spec.fingerprint)
+    t0 = time.time()
+    root_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen([sys.executable, "-c", VISIBILITY_WRITER, root_dir, path, str(n), repr(t0)])
+    lat = []
+    try:
+        while True:
+            try:
+                reader = CacheReader(path, spec=spec)
+                break
+            except CacheNotFoundError:
+                time.sleep(0.001)
+        seen = np.zeros(n, dtype=bool)
+        deadline = time.monotonic() + 120
+        while not seen.all() and time.monotonic() < deadline:
+            reader.refresh()
+            new = np.flatnonzero(reader._done & ~seen)
+            if new.size:
+                now = time.time() - t0
+                lat.extend((now - reader.get(new, wait=False)[:, 0]).tolist())
+                seen[new] = True
+            else:
+                time.sleep(0.0002)
+        reader.close()
+    finally:
+        proc.wait(timeout=60)
+    lat_ms = np.array(lat) * 1000
+    res = {"rows": int(lat_ms.size), "median_ms": float(np.median(lat_ms)), "p95_ms": float(np.percentile(lat_ms, 95)),
+           "max_ms": float(lat_ms.max())}
+    table = md_table(["rows", "median ms", "p95 ms", "max ms"],
+                     [[res["rows"], f"{res['median_ms']:.2f}", f"{res['p95_ms']:.2f}", f"{res['max_ms']:.2f}"]])
+    note = ("A producer process commits one row every 10 ms (write, flush, then the committed-row count, "
+            "flush); this process polls refresh() and measures from the row's hand-over to the writer until "
+            "the reader sees it. Includes the writer's two flushes.")
+    return res, table, note
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(
         prog="python -m bench.store",
@@ -463,6 +520,9 @@ def main(argv=None):
         r5, t5, n5 = bench_out_of_core(p, ctx)
         sections.append(("5. Out-of-core gather (memory_budget=0)", t5, n5))
         ctx[2].close()
+        log("6/6 visibility of new rows to a live reader")
+        r6, t6, n6 = bench_visibility(root, p)
+        sections.append(("6. A committed row becomes visible to a reader", t6, n6))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     runtime = time.perf_counter() - t_start
@@ -486,6 +546,7 @@ def main(argv=None):
         "gather_vs_numpy_float16_array": r1["gather_vs_numpy_float16_array"],
         "bytes_per_row": r4["bytes_per_row"],
         "bytes_per_row_on_disk": r4["bytes_per_row_on_disk"],
+        "visibility_ms": {"median": r6["median_ms"], "p95": r6["p95_ms"], "max": r6["max_ms"]},
         "rows_per_s": {
             "gather_kdcache": r1["rows_per_s_best"]["kdcache"],
             "gather_numpy_f32": r1["rows_per_s_best"]["numpy_f32"],
@@ -502,7 +563,7 @@ def main(argv=None):
         "verdicts": verdicts,
         "all_pass": all(v == "PASS" for v in verdicts.values()),
         "sections": {"gather_vs_numpy": r1, "gather_vs_per_sample_files": r2, "write_order": r3,
-                     "bytes_per_row": r4, "out_of_core": r5},
+                     "bytes_per_row": r4, "out_of_core": r5, "visibility": r6},
         "machine": m,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "quick": bool(args.quick),

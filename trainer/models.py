@@ -28,6 +28,13 @@ def mlp(classes=10, hidden=32, prefix="student_"):
     return net
 
 
+def mlp128(classes=10, prefix="student_"):
+    """The MLP with 128 hidden units, the student bench.distill_table distills from the digits
+    teacher (~60x fewer weights than it): big enough to take the teacher's soft targets in, small
+    enough that they help (scratch ~8.6 errors of 359, distilled ~4, at 30 epochs, Adam lr 1e-2)."""
+    return mlp(classes, hidden=128, prefix=prefix)
+
+
 def small_cnn(classes=10, width=16, prefix="student_"):
     """A small CNN student for small images."""
     net = gluon.nn.HybridSequential(prefix=prefix)
@@ -40,7 +47,7 @@ def small_cnn(classes=10, width=16, prefix="student_"):
     return net
 
 
-BUILTIN = {"mlp": mlp, "small_cnn": small_cnn, "digits_teacher": digits_teacher}
+BUILTIN = {"mlp": mlp, "mlp128": mlp128, "small_cnn": small_cnn, "digits_teacher": digits_teacher}
 
 
 def get_model(name, classes, prefix="student_"):

@@ -19,7 +19,7 @@ def train_teacher(dataset, test, *, arch="digits_teacher", epochs=40, batch_size
     per sample and epoch (the pipeline's keyed crop after zero padding; `augment="none"` turns it
     off), and a cosine learning-rate decay from `lr` to 0 (`schedule="constant"` keeps `lr`).
     On digits this takes the default teacher from 97.5% (constant lr, one shift per batch,
-    global average pooling) to 99.2-99.7% over seeds 0-2.
+    global average pooling) to 99.4-99.7% over seeds 0-2 (1-2 errors of 359), ~45 s on one core.
     """
     import math
 
@@ -81,7 +81,8 @@ def main(argv=None):
     p.add_argument("--schedule", default="cosine", choices=["cosine", "constant"],
                    help="learning-rate schedule (default cosine: decays to 0 over the epochs)")
     p.add_argument("--augment", default="crop:1",
-                   help="per-sample augmentation, as the pipeline's --augment (default crop:1: shifts of up to 1 pixel)")
+                   help="per-sample augmentation, as the pipeline's --augment "
+                        "(default crop:1: shifts of up to 1 pixel)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="compute threads (default: all cores)")
     p.add_argument("--quiet", action="store_true")

@@ -37,7 +37,9 @@ def test_bench_store_quick_writes_report(tmp_path):
     assert bpr["full/float16@C=100"] == 200
     assert bpr["topk:5@C=100"] <= 4 * 5 + 8
     assert report["bytes_per_row_on_disk"]["full/float16@C=100"] >= 200
+    vis = report["visibility_ms"]  # rows a live producer commits reach a reader
+    assert 0 < vis["median"] <= vis["p95"] <= vis["max"]
 
     # One markdown table per section on stdout, and every temporary file removed.
-    assert proc.stdout.count("\n## ") == 5 and "PASS" in proc.stdout
+    assert proc.stdout.count("\n## ") == 6 and "PASS" in proc.stdout
     assert os.listdir(scratch) == []

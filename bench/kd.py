@@ -695,7 +695,7 @@ def plot_online(res, out_png, title, steps):
     hist = res.get("history") or []
     # epoch e started its last step's time minus its duration (evaluation and checkpoints lie between)
     starts = [tt[(e + 1) * steps - 1] - h["seconds"] for e, h in enumerate(hist) if (e + 1) * steps <= len(tt)]
-    fig, ax = plt.subplots(figsize=(9, 5), dpi=110)
+    fig, (ax, ax2) = plt.subplots(2, 1, sharex=True, figsize=(9, 6.5), dpi=110, gridspec_kw={"height_ratios": [3, 1]})
     # a step's wait came right before its compute: [end of the previous step, or its epoch's start, + wait]
     prev = np.concatenate([[tt[0] - wait[0]], tt[:-1]])
     for e, a in enumerate(starts):
@@ -709,26 +709,32 @@ def plot_online(res, out_png, title, steps):
         else:
             merged.append([a, a + w])
     for i, (a, b) in enumerate(merged):
-        ax.axvspan(a, b, color="tab:red", alpha=0.18, lw=0,
+        ax.axvspan(a, b, color="tab:red", alpha=0.15, lw=0,
                    label=f"trainer waits for targets (> 1 ms; {wait.sum():.1f} s in all)" if i == 0 else None)
     if ptl:
         pt = np.array([s[0] for s in ptl]) - t0
         pp = np.array([s[1] for s in ptl]) + 1
-        ax.step(np.concatenate([[pt[0]], pt]), np.concatenate([[0], pp]), where="post", color="tab:blue", lw=1.8,
-                label=f"producer (teacher, 1 core): steps done ({int(sum(s[2] for s in ptl))} rows computed)")
+        ax.step(np.concatenate([[pt[0]], pt]), np.concatenate([[0], pp]), where="post", color="tab:blue", lw=4,
+                alpha=0.45, label=f"producer (teacher, 1 core): steps done ({int(sum(s[2] for s in ptl))} rows "
+                                  f"computed)")
     epochs_txt = ", ".join(f"epoch {e + 1} {h['seconds']:.1f} s" for e, h in enumerate(hist))
-    ax.step(np.concatenate([[tt[0]], tt]), np.concatenate([[0], tp]), where="post", color="tab:green", lw=1.8,
+    ax.step(np.concatenate([[tt[0]], tt]), np.concatenate([[0], tp]), where="post", color="tab:green", lw=1.4,
             label=f"trainer (student, 1 core): steps done ({epochs_txt})")
     for e, a in enumerate(starts):
-        ax.axvline(a, color="0.4", ls="--", lw=1, label="epoch starts" if e == 0 else None)
-        ax.annotate(f"epoch {e + 1}", (a, 0), xytext=(3, 3), textcoords="offset points", fontsize=8, color="0.3")
-    ax.set_xlabel("seconds since the trainer was launched")
+        for axis in (ax, ax2):
+            axis.axvline(a, color="0.4", ls="--", lw=1, label="epoch starts" if e == 0 and axis is ax else None)
+        ax.annotate(f"epoch {e + 1}", (a, 1), xycoords=("data", "axes fraction"), xytext=(3, -12),
+                    textcoords="offset points", fontsize=8, color="0.3")
+    ax2.bar(prev, wait, width=np.maximum(wait, 0.05), align="edge", color="tab:red", alpha=0.7)
+    ax2.set_ylabel("wait before\neach step (s)")
+    ax2.set_xlabel("seconds since the trainer was launched")
+    ax2.grid(alpha=0.3)
     ax.set_ylabel("schedule steps done (batches of %d)" % BATCH)
     ax.set_title(title, fontsize=10)
     ax.set_xlim(left=0)
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
-    ax.legend(loc="upper left", fontsize=8)
+    ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(out_png)), exist_ok=True)
     tmp = out_png + ".tmp.png"

@@ -1,0 +1,68 @@
+"""The KD benchmark runs end to end (--quick): every pair and scenario, the floors, the plot."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+PAIRS = ("light", "heavy")
+SCENARIOS = ("student_only", "inline", "inline_async", "online", "warm", "ring")
+
+
+def positive(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+
+@pytest.mark.slow
+def test_bench_kd_quick_writes_report_and_plot(tmp_path):
+    out = tmp_path / "results" / "kd.json"
+    scratch = tmp_path / "scratch"
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, "-m", "bench.kd", "--quick", "--out", str(out), "--tmp", str(scratch)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=580)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+    report = json.loads(out.read_text())
+    rows = {(r["pair"], r["scenario"]): r for r in report["results"]}
+    for pair in PAIRS:
+        for sc in SCENARIOS:
+            r = rows.get((pair, sc))
+            assert r is not None, f"{pair}/{sc} missing from the report"
+            assert positive(r["samples_per_s"]) and positive(r["epoch1_s"]), r
+            assert positive(r["ratio_to_student_only"]), r
+            assert positive(r["peak_rss_mib"].get("trainer")), r
+        # A warm cache: the trainer reads every target and the teacher runs zero times.
+        assert rows[(pair, "warm")]["teacher_forwards"] == 0
+        assert rows[(pair, "warm")]["producer_started"] is False
+        # Cold cache and ring: a producer ran the teacher and its memory was measured.
+        for sc in ("online", "ring"):
+            assert rows[(pair, sc)]["producer_started"] is True
+            assert rows[(pair, sc)]["teacher_forwards"] > 0
+            assert positive(rows[(pair, sc)]["peak_rss_mib"].get("producer")), rows[(pair, sc)]
+        assert rows[(pair, "student_only")]["teacher_forwards"] == 0
+        assert rows[(pair, "inline")]["teacher_forwards"] > 0
+        assert rows[(pair, "inline_async")]["teacher_forwards"] > 0
+        # the trainer never had to start a third process for the teacher's test accuracy
+        assert not any(r["test_producer_started"] for r in report["results"])
+
+    # Every floor has a verdict (speed floors are for the report, not for tests: machines are noisy).
+    assert len(report["floors"]) == 8
+    assert {f["verdict"] for f in report["floors"].values()} <= {"PASS", "MISS"}
+    for pair in PAIRS:
+        c = report["calibration"]["pairs"][pair]
+        assert positive(c["ratio"]) and positive(c["forward_ms"]) and positive(c["student_step_ms"])
+        assert positive(report["stages"][pair]["teacher_alone_epoch_s"])
+    assert report["quick"] is True and report["date"] and report["machine"]["mxnet"]
+    assert report["gpu"]["skipped"] in (True, False)
+
+    png = out.parent / "kd_online.png"
+    assert png.exists() and png.stat().st_size > 10_000
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # One table per pair plus calibration and floors on stdout; every temporary file removed.
+    assert "## light teacher" in proc.stdout and "## heavy teacher" in proc.stdout and "## Floors" in proc.stdout
+    assert os.listdir(scratch) == []

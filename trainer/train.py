@@ -292,7 +292,11 @@ def run(args, threads, cores):
         tid = spec.inputs["teacher"]
     if mode == "inline":
         teacher = topt.load(args.batch_size)
-        teacher_acc = float((teacher.forward(test.get_batch(np.arange(len(test)))[0]).argmax(1) == test.labels).mean())
+        correct = 0
+        for a in range(0, len(test), args.batch_size):  # in training-size batches: bounded memory
+            x, y = test.get_batch(np.arange(a, min(len(test), a + args.batch_size)))
+            correct += int((teacher.forward(x).argmax(1) == y).sum())
+        teacher_acc = correct / len(test)
         teacher.forwards = 0
     elif mode == "cache":
         ptheads = args.producer_threads or max(1, cores - threads)
@@ -339,10 +343,10 @@ def run(args, threads, cores):
         # the teacher's own test accuracy, from a (small, reusable) cache of the test split
         tspec = build_spec(tid, test, codec="full", dtype="float32")
         tbase = path_for(args.cache_dir, tspec.fingerprint)
-        if not os.path.exists(final_path(tbase)) and rank == 0:
-            test_producer = start_producer(producer_command(args, topt, tbase, split="test", online=False,
-                                                            threads=1), os.path.join(run_dir, "producer-test.log"))
-        elif rank == 0:
+        # Built after training when missing: during it, a third MXNet process would take the
+        # trainer's or the producer's core.
+        test_cache_missing = not os.path.exists(final_path(tbase))
+        if rank == 0 and not test_cache_missing:
             teacher_acc = teacher_accuracy(tbase, tspec, test)
 
     # student
@@ -435,9 +439,11 @@ def run(args, threads, cores):
         if ring is not None:
             ring.close()
 
-    if test_producer is not None:
+    if mode == "cache" and rank == 0 and test_cache_missing:
+        test_producer = start_producer(producer_command(args, topt, tbase, split="test", online=False, threads=cores),
+                                       os.path.join(run_dir, "producer-test.log"))
         try:
-            test_producer.wait(timeout=120)
+            test_producer.wait(timeout=300)
         except subprocess.TimeoutExpired:
             stop_producer(test_producer)
         teacher_acc = teacher_accuracy(tbase, tspec, test)

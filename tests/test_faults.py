@@ -334,15 +334,20 @@ print(json.dumps({{"reads": reads, "bad": bad, "done": int(r._done.sum())}}))
 @pytest.mark.slow
 @pytest.mark.skipif(not TORTURE, reason="make torture: 20 kills of the producer CLI")
 def test_torture_twenty_kills_of_the_producer(teacher, tmp_path):
-    args = ["--teacher", teacher, "--dataset", "synthetic:n=200000,classes=10,shape=1x8x8", "--batch-size", 16,
+    args = ["--teacher", teacher, "--dataset", "synthetic:n=600000,classes=10,shape=1x8x8", "--batch-size", 16,
             "--dtype", "float32"]
     rng = np.random.default_rng(7)
     kills = 0
+    segs = lambda: glob.glob(str(tmp_path / "k" / "*.parts" / "seg-*"))
     while kills < 20:
+        before = len(segs())
         p = subprocess.Popen([sys.executable, "-m", "cache_builder", "--quiet", *map(str, args), "--cache-dir",
                               str(tmp_path / "k")], env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL)
-        time.sleep(float(rng.uniform(3.0, 6.0)))
+        deadline = time.monotonic() + 120
+        while len(segs()) == before and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)  # until this run writes: then kill it at a random moment
+        time.sleep(float(rng.uniform(0.0, 0.8)))
         if p.poll() is not None:
             break
         p.kill()

@@ -57,7 +57,7 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench.producer import cpu_between, cpu_snapshot, last_json  # noqa: E402
-from bench.store import machine, machine_line, md_table, verdict  # noqa: E402
+from bench.store import machine, machine_line, md_table, write_report, verdict  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUT = os.path.join("bench", "results", "kd.json")
@@ -946,20 +946,10 @@ def main(argv=None):
             print(pair_table([r for r in gpu["results"] if r["pair"] == pair]) + "\n")
     missed = [f"{f['floor']} ({f['pair']})" for f in fl if f["verdict"] != "PASS"]
     print("All floors met." if not missed else f"Floors missed: {', '.join(missed)}.")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    tmp = args.out + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(report, fh, indent=1, default=_json_default)
-        fh.write("\n")
-    os.replace(tmp, args.out)
+    write_report(args.out, report)
     print(f"Report: {args.out}\nPlot: {png}")
     return 1 if gpu.get("error") else 0
 
-
-def _json_default(x):
-    if isinstance(x, np.generic):
-        return x.item()
-    raise TypeError(f"{type(x).__name__} is not JSON serializable")
 
 
 if __name__ == "__main__":

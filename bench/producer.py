@@ -40,7 +40,7 @@ import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from bench.store import machine, machine_line, md_table, rate, verdict  # noqa: E402
+from bench.store import machine, machine_line, md_table, write_report, rate, verdict  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUT = os.path.join("bench", "results", "producer.json")
@@ -534,20 +534,10 @@ def main(argv=None):
         missed.append("two_shard_cache_equal")
     print("All floors met." if not missed else f"Floors missed: {', '.join(missed)}.")
 
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    tmp = args.out + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(report, fh, indent=1, default=_json_default)
-        fh.write("\n")
-    os.replace(tmp, args.out)
+    write_report(args.out, report)
     print(f"Report: {args.out}")
     return 0
 
-
-def _json_default(x):
-    if isinstance(x, np.generic):
-        return x.item()
-    raise TypeError(f"{type(x).__name__} is not JSON serializable")
 
 
 if __name__ == "__main__":

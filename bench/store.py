@@ -578,15 +578,19 @@ def main(argv=None):
     missed = [k for k, v in verdicts.items() if v != "PASS"]
     print("All floors met." if not missed else f"Floors missed: {', '.join(missed)}.")
 
-    out_dir = os.path.dirname(os.path.abspath(args.out))
-    os.makedirs(out_dir, exist_ok=True)
-    tmp = args.out + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(report, fh, indent=1, sort_keys=False, default=_json_default)
-        fh.write("\n")
-    os.replace(tmp, args.out)
+    write_report(args.out, report)
     print(f"Report: {args.out}")
     return 0
+
+
+def write_report(path, report):
+    """The JSON report, written under a temporary name and renamed into place (every bench)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(report, fh, indent=1, default=_json_default)
+        fh.write("\n")
+    os.replace(tmp, path)
 
 
 def _json_default(x):

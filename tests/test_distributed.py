@@ -28,8 +28,6 @@ def params(d, epoch):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="known bug, open: in 1 of ~5 runs the two dist_sync workers ended with "
-                   "different parameters (gradients apparently not all-reduced); under investigation")
 def test_two_workers_dist_sync_end_equal_and_learn(tmp_path):
     from tests.helpers import gluon_teacher
     teacher = str(tmp_path / "t")

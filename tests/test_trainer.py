@@ -173,6 +173,26 @@ def test_module_api_trains_with_soft_target_iter(tmp_path):
     assert mod.score(it, Acc())[0][1] > 0.9
 
 
+@pytest.mark.slow
+def test_several_contexts_split_each_batch_and_train_the_same_student(teacher, tmp_path):
+    """--ctx cpu:0,1 takes the multi-device path of --ctx gpu:0,1 (batch split across contexts,
+    gradients summed by the device kvstore): the student equals the one-context student up to
+    float rounding, not a different or half-trained one."""
+    common = ["--teacher", teacher, "--teacher-mode", "inline", "--epochs", 2, "--seed", 5, "--threads", 1]
+    one = train(tmp_path, *common, "--ctx", "cpu", "--run", "one")
+    two = train(tmp_path, *common, "--ctx", "cpu:0,1", "--run", "two")
+    assert two["ctx"] == "[cpu(0), cpu(1)]" and one["ctx"] == "[cpu(0)]"
+    a, b = params(tmp_path / "runs" / "one", 1), params(tmp_path / "runs" / "two", 1)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert np.allclose(a[k], b[k], rtol=1e-3, atol=1e-4), (k, np.abs(a[k] - b[k]).max())
+    start = params(tmp_path / "runs" / "two", 0)
+    assert any(np.abs(start[k] - b[k]).max() > 1e-3 for k in b)  # it trained
+    assert abs(one["test_acc"] - two["test_acc"]) <= 2 / 359
+    r = train(tmp_path, "--ctx", "cpu:0,x", "--teacher-mode", "none", check=False)
+    assert r.returncode == 2 and "cpu:0,1" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_bad_options(tmp_path):
     r = train(tmp_path, "--run", "../escape", "--teacher-mode", "none", check=False)
     assert r.returncode == 2 and "--run" in r.stderr

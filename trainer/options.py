@@ -34,10 +34,12 @@ def build_parser():
                    "measured on digits: see the README's table)")
     g.add_argument("--wd", type=float, default=1e-4, help="weight decay (default 1e-4)")
     g.add_argument("--seed", type=int, default=0, help="seed of the schedule, augmentation and initialisation")
-    g.add_argument("--ctx", default="auto", help="auto (GPU when MXNet sees one) | cpu | gpu:0[,1,...]")
+    g.add_argument("--ctx", default="auto",
+                   help="auto (GPU when MXNet sees one) | cpu | gpu:0[,1,...] (several GPUs: each batch is split "
+                   "across them, gradients summed by the device kvstore) | cpu:0,1 (the same on CPU contexts)")
     g.add_argument("--threads", type=int, help="trainer compute threads (default: the cores the producer leaves)")
-    g.add_argument("--kvstore", help="MXNet kvstore: device (several GPUs), dist_sync or dist_async (workers "
-                   "started by python -m trainer.launch); default: none for one device")
+    g.add_argument("--kvstore", help="MXNet kvstore: device (several devices; the default then), dist_sync or "
+                   "dist_async (workers started by python -m trainer.launch); default: none for one device")
     g = p.add_argument_group("distillation")
     g.add_argument("--teacher-mode", default="cache", choices=["cache", "inline", "none"])
     g.add_argument("--teacher", metavar="PREFIX[:EPOCH]", default=None,

@@ -38,6 +38,14 @@ def resolve_ctx(arg):
         return [mx.gpu(0)] if mx.context.num_gpus() > 0 else [mx.cpu()]
     if arg == "cpu":
         return [mx.cpu()]
+    if arg.startswith("cpu:"):  # several CPU contexts: the multi-device path (split batches, device kvstore)
+        try:
+            ids = [int(i) for i in arg.split(":", 1)[1].split(",")]
+        except ValueError:
+            raise TrainError(f"--ctx {arg!r}: use cpu:0,1 (device ids separated by commas)") from None
+        if len(set(ids)) != len(ids) or min(ids) < 0:
+            raise TrainError(f"--ctx {arg!r}: device ids must be distinct and not negative")
+        return [mx.cpu(i) for i in ids]
     if arg.startswith("gpu"):
         ids = arg.split(":", 1)[1] if ":" in arg else "0"
         n = mx.context.num_gpus()
@@ -46,7 +54,7 @@ def resolve_ctx(arg):
             raise TrainError(f"--ctx {arg}: MXNet sees {n} GPU(s); install a CUDA build of MXNet "
                              f"(pip install mxnet-cu112==1.9.1 numpy==1.23.5) or use --ctx cpu")
         return ctx
-    raise TrainError(f"--ctx {arg!r}: use auto, cpu or gpu:0[,1,...]")
+    raise TrainError(f"--ctx {arg!r}: use auto, cpu, cpu:0,1 or gpu:0[,1,...]")
 
 
 def teacher_arg(args):
@@ -231,6 +239,22 @@ def load_checkpoint(run_dir, net, trainer):
     return state
 
 
+def broadcast_initial_parameters(trainer, net):
+    """Give every worker worker 0's parameters, and wait until they have arrived.
+
+    MXNet 1.9's gluon.Trainer broadcasts the initial parameters inside the first step(): an
+    asynchronous pull from the server that the engine may send after the same step's gradient
+    push. The server then answers it with the summed gradients, which overwrite that worker's
+    weights (seen on loopback in about 1 run of 5: one layer of worker 1 far from worker 0's for
+    the rest of the run). Doing the broadcast before training and waiting for it closes the race.
+    """
+    trainer._init_kvstore()
+    trainer._init_params()
+    for p in net.collect_params().values():
+        for d in p.list_data():
+            d.wait_to_read()
+
+
 def teacher_accuracy(base, spec, test):
     """The teacher's test accuracy from its cache of the test split; None (logged) if unavailable:
     it is a report, not the job."""
@@ -364,6 +388,8 @@ def run(args, threads, cores):
         state = load_checkpoint(run_dir, net, trainer)
         start_epoch, history = state["epoch"] + 1, state.get("history", [])
         log.info("resuming %s after epoch %d", run_dir, state["epoch"])
+    if kv is not None and "dist" in kv.type:
+        broadcast_initial_parameters(trainer, net)
     loss_fn = KDLoss(args.temperature, args.alpha if mode != "none" else 0.0)
 
     # epochs

@@ -35,10 +35,11 @@ def test_two_workers_dist_sync_end_equal_and_learn(tmp_path):
     r = launch(tmp_path, "--teacher", teacher, "--epochs", 3, "--run", "d", "--temperature", 4)
     assert r.returncode == 0, r.stderr[-3000:]
     w0, w1 = tmp_path / "runs/d/worker-0", tmp_path / "runs/d/worker-1"
-    a, b = params(w0, 2), params(w1, 2)
-    assert a.keys() == b.keys()
-    for k in a:
-        assert np.array_equal(a[k], b[k]), k
+    for epoch in range(3):
+        a, b = params(w0, epoch), params(w1, epoch)
+        assert a.keys() == b.keys()
+        for k in a:
+            assert np.array_equal(a[k], b[k]), (epoch, k)
     for w in (w0, w1):
         m = json.load(open(w / "metrics.json"))
         assert m["workers"] == 2 and m["kvstore"] == "dist_sync"

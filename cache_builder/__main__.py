@@ -3,6 +3,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import time
 
@@ -158,16 +159,33 @@ def report(args, log, spec, result):
     return 0
 
 
+def _die_with_parent(parent):
+    """In a forked shard: get SIGTERM when the command that forked it dies, even by kill -9."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+    if os.getppid() != parent:  # it died before prctl took effect
+        os._exit(143)
+
+
 def run_shards(args, log, path, spec, result, t0, fill_shard):
-    """Fork one producer per shard after the data set is loaded once; gather their results."""
+    """Fork one producer per shard after the data set is loaded once; gather their results.
+
+    A shard that fails or dies stops the others at once (SIGINT: each commits what it wrote and
+    leaves), so a trainer reading behind them gets a clear error instead of waiting for rows
+    that no shard will write; running the same command again resumes every shard."""
     if args.shard != "0/1":
         raise ValueError("--shards N forks shards 0/N .. N-1/N itself: drop --shard")
+    parent = os.getpid()
     children = {}
     for i in range(args.shards):
         r, w = os.pipe()
         pid = os.fork()
         if pid == 0:  # the shard: fill, hand the result back, leave without the parent's clean-up
             os.close(r)
+            _die_with_parent(parent)
             code = 0
             try:
                 out = fill_shard(i)
@@ -182,15 +200,41 @@ def run_shards(args, log, path, spec, result, t0, fill_shard):
             os._exit(code)
         os.close(w)
         children[pid] = (i, r)
-    results, errors = [], []
-    for pid, (i, r) in children.items():
+    results, errors, stopped = [], [], False
+    while children:
+        pid, status = os.wait()
+        if pid not in children:
+            continue
+        i, r = children.pop(pid)
         with os.fdopen(r) as fh:
             raw = fh.read()
-        _, status = os.waitpid(pid, 0)
-        out = json.loads(raw) if raw else {"error": f"shard {i}/{args.shards} died (status {status})"}
-        (errors if "error" in out else results).append((i, out))
+        if raw:
+            out = json.loads(raw)
+        elif os.WIFSIGNALED(status):
+            out = {"error": f"killed by signal {os.WTERMSIG(status)} ({signal.Signals(os.WTERMSIG(status)).name})"}
+        else:
+            out = {"error": f"died with status {os.waitstatus_to_exitcode(status)}"}
+        if "error" in out:
+            if stopped and out["error"] == "interrupted":
+                out["stopped"] = True
+            elif not stopped:
+                stopped = True
+                log.error("shard %d/%d: %s; stopping the other shards (their rows are kept)", i, args.shards,
+                          out["error"])
+            for other in children:
+                try:
+                    os.kill(other, signal.SIGINT)
+                except ProcessLookupError:
+                    pass
+            errors.append((i, out))
+        else:
+            results.append((i, out))
     if errors:
-        raise ValueError("; ".join(f"shard {i}/{args.shards}: {o['error']}" for i, o in errors))
+        first = [(i, o) for i, o in errors if not o.get("stopped")]
+        rest = [i for i, o in errors if o.get("stopped")]
+        raise ValueError("; ".join(f"shard {i}/{args.shards}: {o['error']}" for i, o in first)
+                         + (f" (shard(s) {', '.join(map(str, sorted(rest)))} stopped with it)" if rest else "")
+                         + ": every row written so far is kept; run the same command again to finish the cache")
     from store.registry import final_path
     complete = os.path.exists(final_path(path))
     result.update(shard=f"0..{args.shards - 1}/{args.shards}", complete=complete,

@@ -241,6 +241,51 @@ def test_two_shards_fill_one_cache(teachers, tmp_path):
         assert np.allclose(x["logits"][...], y["logits"][...], rtol=2e-3, atol=1e-4)
 
 
+def _children(pid):
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+    return [int(x) for x in out]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", ["shard", "command"])
+def test_shards_2_a_killed_shard_or_command_stops_every_shard_and_a_rerun_finishes(teachers, tmp_path, victim):
+    """--shards 2: kill -9 of one forked shard ends the command at once with a clear error (the
+    other shard stops too: a trainer behind them must not wait for rows no shard writes); kill -9
+    of the command takes its shards with it. A rerun resumes both shards; the cache is bitwise
+    the one an uninterrupted --shards 2 build makes."""
+    args = ["--teacher", teachers["gluon"], "--dataset", "synthetic:n=400000,classes=10,shape=1x8x8",
+            "--batch-size", 16, "--dtype", "float32", "--shards", 2]
+    d = tmp_path / "killed"
+    p = subprocess.Popen([sys.executable, "-m", "cache_builder", "--quiet", *map(str, args), "--cache-dir", str(d)],
+                         env=ENV, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    segs = lambda: [f for f in (os.listdir(next(d.glob("*.parts"))) if d.exists() and list(d.glob("*.parts"))
+                                else []) if f.startswith("seg-")]
+    while (len(segs()) < 2 or len(_children(p.pid)) < 2) and p.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    kids = _children(p.pid)
+    assert p.poll() is None and len(kids) == 2, "the shards did not start writing"
+    time.sleep(1.0)
+    os.kill(kids[1] if victim == "shard" else p.pid, signal.SIGKILL)
+    t = time.monotonic()
+    out, err = p.communicate(timeout=60)
+    if victim == "shard":
+        assert time.monotonic() - t < 20 and p.returncode == 2, err[-2000:]
+        last = err.strip().splitlines()[-1]
+        assert last.startswith("error: shard 1/2: killed by signal 9") and "shard(s) 0 stopped" in last, last
+        assert "run the same command again" in last and "Traceback" not in err
+    deadline = time.monotonic() + 5
+    while any(os.path.exists(f"/proc/{k}") and open(f"/proc/{k}/stat").read().split()[2] != "Z" for k in kids):
+        assert time.monotonic() < deadline, "a shard outlived the kill"
+        time.sleep(0.1)
+    again = cli(*args, "--cache-dir", d)
+    assert again["complete"] and 0 < again["rows_written"] < 400000, again
+    clean = cli(*args, "--cache-dir", tmp_path / "clean")
+    assert clean["complete"] and clean["rows_written"] == 400000
+    with h5py.File(clean["cache_path"]) as a, h5py.File(again["cache_path"]) as b:
+        assert a["logits"][...].tobytes() == b["logits"][...].tobytes()
+
+
 @pytest.mark.parametrize("args,match", [
     (["--dataset", "nosuch"], "unknown data set"), (["--dataset", "mnist"], "--data-root"),
     (["--views", "2", "--augment", "none"], "every view would be the same"), (["--codec", "topk:x"], "topk"),

@@ -82,3 +82,32 @@ def test_a_killed_worker_ends_the_job_with_a_clear_error(tmp_path):
     assert time.monotonic() - t < 20
     assert p.returncode == 2 and "exited with status -9" in err and "stopped" in err
     assert not subprocess.run(["pgrep", "-f", f"{tmp_path}/runs"], capture_output=True, text=True).stdout.strip()
+
+
+@pytest.mark.slow
+def test_a_killed_producer_ends_the_job_with_a_clear_error(tmp_path):
+    """Worker 0 starts the producer; kill -9 of it mid-run: worker 0 stops with the cause, the
+    launcher stops the rest, nothing hangs and no process is left."""
+    from tests.helpers import gluon_teacher
+    teacher = str(tmp_path / "t")
+    gluon_teacher(teacher)
+    p = launch(tmp_path, "--teacher", teacher, "--dataset", "synthetic:n=400000,classes=10,shape=1x8x8",
+               "--epochs", 1, "--batch-size", 16, "--run", "pk", popen=True)
+    deadline = time.monotonic() + 120
+    victim = None
+    while victim is None and time.monotonic() < deadline and p.poll() is None:
+        out = subprocess.run(["pgrep", "-f", f"cache_builder.*{tmp_path}/caches"], capture_output=True,
+                             text=True).stdout.split()
+        if out and list((tmp_path / "caches").glob("*.parts/seg-*")):
+            victim = int(out[0])
+        time.sleep(0.2)
+    assert victim, "the producer did not start writing"
+    time.sleep(1)
+    os.kill(victim, signal.SIGKILL)
+    t = time.monotonic()
+    out, err = p.communicate(timeout=120)
+    assert time.monotonic() - t < 60, "the job did not end soon after its producer died"
+    assert p.returncode == 2 and "worker" in err and "stopped" in err, err[-3000:]
+    assert "the producer failed: it was killed (SIGKILL)" in err and "Traceback" not in err, err[-3000:]
+    assert not subprocess.run(["pgrep", "-f", f"{tmp_path}/"], capture_output=True, text=True).stdout.strip()
+

@@ -130,6 +130,12 @@ def producer_failure(proc, log_path):
     """The producer's own error line, when it exited with one."""
     if proc is None or proc.poll() in (None, 0):
         return None
+    if proc.returncode < 0:
+        try:
+            name = signal.Signals(-proc.returncode).name
+        except ValueError:
+            name = f"signal {-proc.returncode}"
+        return f"it was killed ({name})"
     try:
         lines = [ln for ln in open(log_path, errors="replace").read().splitlines() if ln.strip()]
     except OSError:

@@ -37,7 +37,7 @@ TEACHER_DEP = $(if $(filter $(DEFAULT_TEACHER),$(TEACHER)),$(DEFAULT_TEACHER)-sy
 export PYTHONPATH := $(CURDIR)
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: help setup test test-fast torture bench bench-store bench-producer caches teacher cache cache-online train train-dist clean
+.PHONY: help setup test test-fast torture bench bench-store bench-producer bench-sizing caches teacher cache cache-online train train-dist clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s "$$(printf '\t')"
@@ -59,13 +59,17 @@ test-fast: setup  ## run the tests not marked slow
 torture: setup  ## the long fault runs: 20 kills of the producer, a 60 s soak, every fault test
 	KDCACHE_TORTURE=1 $(PY) -m pytest -q $(PYTEST_ARGS) tests/test_faults.py tests/test_store_mp.py
 
-bench: setup  ## every benchmark side by side: KD scenarios, store, producer (QUICK=1: ~2 min)
+bench: setup  ## every benchmark side by side: KD scenarios, store, producer, ImageNet sizing (QUICK=1: short runs)
 	$(PY) -m bench.kd $(if $(QUICK),--quick)
 	$(PY) -m bench.store $(if $(QUICK),--quick)
 	$(PY) -m bench.producer $(if $(QUICK),--quick)
+	$(PY) -m bench.sizing $(if $(QUICK),--quick)
 
 bench-producer: setup  ## producer overhead vs the bare teacher, and 2 shards vs 1 (QUICK=1 for a short run)
 	$(PY) -m bench.producer $(if $(QUICK),--quick)
+
+bench-sizing: setup  ## ImageNet-1k sizing: bytes per view per codec, model-zoo teachers' images/s per core
+	$(PY) -m bench.sizing $(if $(QUICK),--quick)
 
 bench-store: setup  ## store micro-benchmarks: gather, write order, codec sizes (QUICK=1 for a short run)
 	$(PY) -m bench.store $(if $(QUICK),--quick)

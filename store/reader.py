@@ -35,11 +35,14 @@ class CacheReader:
     `spec` or `fingerprint`, when given, must match the cache, or FingerprintMismatchError is
     raised: a cache is never used for other inputs. `get()` waits for targets a live producer
     has not written yet (counted in `stall_s`) and fails within seconds when none is alive.
+    `grace_s` counts a producer that is still starting (not locked yet) as alive; `starting`,
+    a callable, ends that grace as soon as it returns False (the caller saw its producer exit).
     """
 
     def __init__(self, path, *, spec=None, fingerprint=None, memory_budget=None, timeout=300.0,
-                 heartbeat_timeout=10.0, grace_s=0.0):
+                 heartbeat_timeout=10.0, grace_s=0.0, starting=None):
         self.base = base_path(path)
+        self.starting = starting  # optional callable: False once the producer we wait for is known gone
         self.final = final_path(self.base)
         self.parts = parts_path(self.base)
         self.timeout = timeout
@@ -199,6 +202,8 @@ class CacheReader:
             return True
         if self._segs or list_segments(self.parts):
             self.grace_until = 0.0  # a producer has started writing: it is no longer starting
+        if self.starting is not None and not self.starting():
+            self.grace_until = 0.0  # the caller knows its producer died before it locked or wrote
         return time.monotonic() < self.grace_until
 
     # -- reading ------------------------------------------------------------------------------

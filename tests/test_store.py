@@ -2,6 +2,7 @@
 import json
 import os
 import stat
+import time
 
 import h5py
 import numpy as np
@@ -12,6 +13,7 @@ from store import (BadInputError, CacheNotFoundError, CacheReader, CacheSpec, Ca
                    UnsupportedFormatError, WriterBusyError, fingerprint, make_codec, path_for, schema)
 from store.fingerprint import is_fingerprint
 from store.registry import final_path, parts_path, verify
+from store.segment import write_json_atomic
 from tests.helpers import expected_logits, make_spec, produce
 
 
@@ -417,3 +419,21 @@ def test_segments_hold_only_chunked_datasets(cache_dir):
         for name in f:
             assert f[name].chunks is not None, name
     w.abort()
+
+
+def test_the_grace_for_a_starting_producer_ends_when_the_caller_sees_it_exit(cache_dir):
+    """A cache whose producer died while starting (manifest written, nothing locked or written):
+    grace_s keeps a reader waiting for it, `starting` returning False ends that at once."""
+    spec = make_spec(num_samples=50)
+    p = path_for(cache_dir, spec.fingerprint)
+    os.makedirs(parts_path(p))
+    write_json_atomic(os.path.join(parts_path(p), schema.MANIFEST), spec.meta())
+    alive = [True]
+    r = CacheReader(p, spec=spec, grace_s=60.0, starting=lambda: alive[0])
+    assert r.producer_alive()  # still starting, as far as anyone knows
+    alive[0] = False
+    t = time.monotonic()
+    with pytest.raises(ProducerGoneError, match="no producer is running"):
+        r.get([0, 1], timeout=30)
+    assert time.monotonic() - t < 2
+    r.close()

@@ -194,6 +194,40 @@ def test_several_contexts_split_each_batch_and_train_the_same_student(teacher, t
     assert r.returncode == 2 and "cpu:0,1" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("store", ["cache", "ring"])
+def test_the_producer_starts_before_the_trainer_imports_mxnet(teacher, tmp_path, store):
+    """python -m trainer starts the producer (and creates the ring) before its own MXNet import,
+    so the producer's start-up overlaps the trainer's instead of stalling the first epoch."""
+    code = f"""
+import glob, os, sys, time
+from trainer.options import build_parser
+from trainer.targets import start_early
+args = build_parser().parse_args(["--teacher", {teacher!r}, "--store", {store!r}, "--run", "early",
+                                  "--runs-dir", {str(tmp_path / "runs")!r}, "--cache-dir", {str(tmp_path / "c")!r}])
+early = start_early(args, 2, 1)
+assert "mxnet" not in sys.modules, "MXNet was imported before the producer started"
+assert early is not None and early.producer is not None and early.producer.poll() is None
+assert (early.ring is not None) == ({store!r} == "ring") and early.run_name == "early"
+deadline = time.monotonic() + 120
+def started():  # the producer has loaded and opened its output
+    if early.ring is not None:
+        return early.ring._ring.hdr["producer_pid"] == early.producer.pid
+    return bool(glob.glob({str(tmp_path / "c")!r} + "/*.parts/seg-*"))
+while not started():
+    assert early.producer.poll() is None, open({str(tmp_path / "runs/early/producer.log")!r}).read()
+    assert time.monotonic() < deadline
+    time.sleep(0.1)
+name = early.ring.name if early.ring is not None else None
+early.close()
+assert early.producer.poll() is not None
+assert name is None or not os.path.exists("/dev/shm/" + name)
+print("ok")
+"""
+    r = subprocess.run([sys.executable, "-c", code], env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
 def test_bad_options(tmp_path):
     r = train(tmp_path, "--run", "../escape", "--teacher-mode", "none", check=False)
     assert r.returncode == 2 and "--run" in r.stderr

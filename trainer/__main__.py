@@ -13,12 +13,12 @@ def cache_complete(args):
     try:
         import os.path
         from pipeline.cachespec import TeacherOptions, spec_from_args
-        from pipeline.datasets import load_dataset
         from store import path_for, registry
+        from trainer.targets import load_train
         from trainer.options import DEFAULT_TEACHER
         if args.dataset.split(":")[0] in ("recordio", "imagefolder"):
             return False  # decoding them loads MXNet: keep the split
-        train = load_dataset(args.dataset, data_root=args.data_root, split="train", num_classes=args.num_classes)
+        train = load_train(args)
         spec, _ = spec_from_args(args, train, TeacherOptions.from_args(args, args.teacher or DEFAULT_TEACHER))
         base = registry.base_path(args.cache) if args.cache != "auto" else path_for(args.cache_dir, spec.fingerprint)
         return os.path.exists(registry.final_path(base))
@@ -62,8 +62,12 @@ def main(argv=None):
     from pipeline.cachespec import TeacherError
     from pipeline.datasets import DatasetError
     from store import StoreError
-    from trainer.train import TrainError, run
+    from trainer.targets import TrainError, start_early
+    early = None
     try:
+        # The producer starts now, before this process imports MXNet: its start-up overlaps ours.
+        early = args.early = start_early(args, cores, threads)
+        from trainer.train import run
         m, run_dir = run(args, threads, cores)
     except (TrainError, StoreError, DatasetError, TeacherError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -72,6 +76,9 @@ def main(argv=None):
         print("interrupted: the last finished epoch is checkpointed; continue with --resume --run NAME",
               file=sys.stderr)
         return 130
+    finally:
+        if early is not None:
+            early.close()
     print(f"\nrun {m['run']} finished:\n{summary(m)}\nmetrics: {os.path.join(run_dir, 'metrics.json')}")
     if args.json:
         print(json.dumps({k: v for k, v in m.items() if k != "history"}))

@@ -4,9 +4,7 @@ import json
 import logging
 import os
 import queue
-import signal
 import subprocess
-import sys
 import threading
 import time
 
@@ -23,13 +21,11 @@ from store import CacheReader, ProducerGoneError, path_for, registry
 from store.registry import final_path
 from trainer.loss import KDLoss
 from trainer.models import get_model
+from trainer.targets import (TrainError, load_train, producer_command, producer_failure,
+                             run_name_error, start_producer, stop_producer, teacher_arg)
 
 log = logging.getLogger("kdcache.trainer")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-class TrainError(Exception):
-    """A run cannot go on; the message names the cause and the fix."""
 
 
 # --- small helpers ---------------------------------------------------------------------------
@@ -55,93 +51,6 @@ def resolve_ctx(arg):
                              f"(pip install mxnet-cu112==1.9.1 numpy==1.23.5) or use --ctx cpu")
         return ctx
     raise TrainError(f"--ctx {arg!r}: use auto, cpu, cpu:0,1 or gpu:0[,1,...]")
-
-
-def teacher_arg(args):
-    """--teacher, or the default digits teacher `make teacher` builds."""
-    if args.teacher:
-        return args.teacher
-    if args.dataset == "digits":
-        prefix = os.path.join(ROOT, "teachers", "digits")
-        if not os.path.exists(prefix + "-symbol.json"):
-            raise TrainError(f"the default digits teacher {prefix}-symbol.json is missing: run `make teacher` "
-                             f"(or pass --teacher PREFIX)")
-        return prefix
-    raise TrainError(f"--teacher-mode {args.teacher_mode} needs --teacher PREFIX[:EPOCH] for data set {args.dataset}")
-
-
-def producer_command(args, topt, spec_path, *, split="train", online=True, threads=1, ring=None):
-    """The public entry point of the producer, with the options that make the same cache."""
-    cmd = [sys.executable, "-m", "cache_builder", "--quiet", "--json",
-           "--teacher", f"{topt.prefix}:{topt.epoch}" if topt.epoch is not None else topt.prefix,
-           "--dataset", args.dataset, "--split", split, "--views", str(args.views if split == "train" else 1),
-           "--augment", args.augment if split == "train" else "none", "--seed", str(args.seed),
-           "--codec", args.codec if split == "train" else "full",
-           "--dtype", args.dtype if split == "train" else "float32", "--batch-size", str(args.batch_size),
-           "--threads", str(threads)]
-    for opt, val in (("--data-root", args.data_root), ("--image-size", args.image_size),
-                     ("--num-classes", args.num_classes), ("--teacher-input", args.teacher_input),
-                     ("--teacher-mean", args.teacher_mean), ("--teacher-std", args.teacher_std),
-                     ("--teacher-size", args.teacher_size)):
-        if val is not None:
-            cmd += [opt, str(val)]
-    if online:
-        cmd += ["--timeline", os.path.join(args.runs_dir, args.run_name, "producer-timeline.json")]
-    if ring is not None:
-        cmd += ["--ring", ring, "--epochs", str(args.epochs)]
-    else:
-        cmd += ["--cache", spec_path]
-        if online:
-            cmd += ["--online", "--epochs", str(args.epochs)]
-    return cmd
-
-
-def _die_with_parent():
-    """In the producer child: get SIGTERM when the trainer dies, even by kill -9 (Linux)."""
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
-
-
-def start_producer(cmd, log_path):
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    fh = open(log_path, "ab")
-    log.info("starting producer: %s (log: %s)", " ".join(cmd[1:]), log_path)
-    proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=os.getcwd(),
-                            preexec_fn=_die_with_parent)
-    fh.close()
-    return proc
-
-
-def stop_producer(proc, timeout=10.0):
-    if proc is None or proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGINT)  # a clean stop: committed rows are kept
-    try:
-        proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
-def producer_failure(proc, log_path):
-    """The producer's own error line, when it exited with one."""
-    if proc is None or proc.poll() in (None, 0):
-        return None
-    if proc.returncode < 0:
-        try:
-            name = signal.Signals(-proc.returncode).name
-        except ValueError:
-            name = f"signal {-proc.returncode}"
-        return f"it was killed ({name})"
-    try:
-        lines = [ln for ln in open(log_path, errors="replace").read().splitlines() if ln.strip()]
-    except OSError:
-        lines = []
-    errs = [ln for ln in lines if ln.startswith("error:")]
-    return (errs or lines or [f"exit status {proc.returncode}"])[-1]
 
 
 # --- targets ---------------------------------------------------------------------------------
@@ -287,8 +196,8 @@ def run(args, threads, cores):
                              f"the workers with `python -m trainer.launch` (or set the DMLC_* variables)") from None
         rank, workers = kv.rank, kv.num_workers
     run_name = args.run or time.strftime("%Y%m%d-%H%M%S")
-    if os.sep in run_name or run_name in (".", "..") or not run_name.replace("-", "").replace("_", "").replace(".", "").isalnum():
-        raise TrainError(f"--run {run_name!r}: use letters, digits, '-', '_' and '.' only")
+    if run_name_error(run_name):
+        raise TrainError(run_name_error(run_name))
     run_dir = os.path.join(args.runs_dir, run_name)
     args.run_name = run_name
     if workers > 1:
@@ -299,9 +208,9 @@ def run(args, threads, cores):
     mx.random.seed(args.seed)
     np.random.seed(args.seed)
 
-    # data
-    train = load_dataset(args.dataset, data_root=args.data_root, split="train", image_size=args.image_size,
-                         num_classes=args.num_classes)
+    # data (python -m trainer may have loaded the training split already, to start the producer)
+    early = getattr(args, "early", None)
+    train = early.train if early is not None else load_train(args)
     test = load_dataset(args.dataset, data_root=args.data_root, split="test", image_size=args.image_size,
                         num_classes=args.num_classes)
     augment = resolve_augment(args.augment, train.name, args.views)
@@ -330,7 +239,10 @@ def run(args, threads, cores):
         teacher.forwards = 0
     elif mode == "cache":
         ptheads = args.producer_threads or max(1, cores - threads)
-        if args.store == "ring":
+        if args.store == "ring" and early is not None and early.ring is not None:
+            ring, producer = early.ring, early.producer
+            targets = lambda st: ring.get(st.indices, st.epoch)
+        elif args.store == "ring":
             from store.ring import RingReader
             ring = RingReader(f"kdcache-ring-{os.getpid()}-{run_name}"[:60], create=True, capacity=args.ring_capacity,
                               num_classes=spec.num_classes, codec=spec.codec, dtype=spec.dtype,
@@ -344,7 +256,9 @@ def run(args, threads, cores):
             cache_path = final_path(base)
             have = registry.exists(base)
             complete = os.path.exists(cache_path)
-            if not complete and not args.no_producer and rank == 0:
+            if early is not None and early.producer is not None:
+                producer = early.producer  # started before MXNet loaded here
+            elif not complete and not args.no_producer and rank == 0:
                 alive = have and os.path.isdir(registry.parts_path(base)) and \
                     bool(__import__("store.segment", fromlist=["x"]).lock_holders(registry.parts_path(base)))
                 if alive:
@@ -358,7 +272,8 @@ def run(args, threads, cores):
             while True:  # the producer needs a few seconds to start and create the cache
                 try:
                     reader = CacheReader(base, spec=spec, timeout=args.wait_timeout,
-                                         grace_s=30.0 if producer or rank > 0 else 0.0)
+                                         grace_s=30.0 if producer or rank > 0 else 0.0,
+                                         starting=(lambda: producer.poll() is None) if producer else None)
                     break
                 except Exception as e:
                     from store import CacheNotFoundError
@@ -464,7 +379,8 @@ def run(args, threads, cores):
             log.info("epoch %d/%d: loss %.4f, test accuracy %.4f, %.0f samples/s, stall %.2f s%s", epoch + 1,
                      args.epochs, loss, acc, epoch_seen / dt, pf.stall_s,
                      f" (worker {rank} of {workers})" if workers > 1 else "")
-            save_checkpoint(run_dir, net, trainer, epoch, {"history": history, "args": vars(args),
+            options = {k: v for k, v in vars(args).items() if k != "early"}
+            save_checkpoint(run_dir, net, trainer, epoch, {"history": history, "args": options,
                                                            "rank": rank, "workers": workers, "kvstore": args.kvstore})
     finally:
         stop_producer(producer)

@@ -37,7 +37,7 @@ TEACHER_DEP = $(if $(filter $(DEFAULT_TEACHER),$(TEACHER)),$(DEFAULT_TEACHER)-sy
 export PYTHONPATH := $(CURDIR)
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: help setup test test-fast torture bench bench-store bench-producer bench-sizing caches teacher cache cache-online train train-dist clean
+.PHONY: help setup test test-fast torture bench bench-kd bench-store bench-producer bench-sizing caches teacher cache cache-online train train-dist clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s "$$(printf '\t')"
@@ -64,6 +64,9 @@ bench: setup  ## every benchmark side by side: KD scenarios, store, producer, Im
 	$(PY) -m bench.store $(if $(QUICK),--quick)
 	$(PY) -m bench.producer $(if $(QUICK),--quick)
 	$(PY) -m bench.sizing $(if $(QUICK),--quick)
+
+bench-kd: setup  ## KD scenarios: student alone, inline, online, warm cache, ring (QUICK=1 for a short run)
+	$(PY) -m bench.kd $(if $(QUICK),--quick)
 
 bench-producer: setup  ## producer overhead vs the bare teacher, and 2 shards vs 1 (QUICK=1 for a short run)
 	$(PY) -m bench.producer $(if $(QUICK),--quick)

@@ -22,6 +22,22 @@ def launch(tmp_path, *args, workers=2, popen=False):
     return subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
+def kill_when_found(p, find, what, settle):
+    """Poll find() until it names a pid of the running job p, let the job go on `settle` s,
+    kill -9 that pid. Returns (seconds from the kill to the job's end, the job's stderr)."""
+    deadline = time.monotonic() + 120
+    victim = None
+    while victim is None and time.monotonic() < deadline and p.poll() is None:
+        victim = find()
+        time.sleep(0.2)
+    assert victim, f"{what} did not start"
+    time.sleep(settle)
+    os.kill(victim, signal.SIGKILL)
+    t = time.monotonic()
+    _, err = p.communicate(timeout=120)
+    return time.monotonic() - t, err
+
+
 def params(d, epoch):
     import mxnet as mx
     return {k: v.asnumpy() for k, v in mx.nd.load(os.path.join(d, f"student-{epoch:04d}.params")).items()}
@@ -66,20 +82,13 @@ def test_dist_sync_workers_start_from_worker_0s_parameters_every_time(tmp_path):
 def test_a_killed_worker_ends_the_job_with_a_clear_error(tmp_path):
     p = launch(tmp_path, "--teacher-mode", "none", "--dataset", "synthetic:n=200000,classes=10,shape=1x8x8",
                "--epochs", 1, "--batch-size", 32, "--run", "k", popen=True)
-    deadline = time.monotonic() + 120
-    victim = None
-    while victim is None and time.monotonic() < deadline:
+
+    def worker():
         out = subprocess.run(["pgrep", "-f", "--", "--kvstore dist_sync"], capture_output=True, text=True).stdout.split()
         kids = [int(x) for x in out if int(x) != p.pid]
-        if len(kids) >= 2 and (tmp_path / "runs/k/worker-1").exists():
-            victim = kids[-1]
-        time.sleep(0.2)
-    assert victim, "workers did not start"
-    time.sleep(2)
-    os.kill(victim, signal.SIGKILL)
-    t = time.monotonic()
-    out, err = p.communicate(timeout=60)
-    assert time.monotonic() - t < 20
+        return kids[-1] if len(kids) >= 2 and (tmp_path / "runs/k/worker-1").exists() else None
+    seconds, err = kill_when_found(p, worker, "the workers", settle=2)
+    assert seconds < 20
     assert p.returncode == 2 and "exited with status -9" in err and "stopped" in err
     assert not subprocess.run(["pgrep", "-f", f"{tmp_path}/runs"], capture_output=True, text=True).stdout.strip()
 
@@ -93,20 +102,13 @@ def test_a_killed_producer_ends_the_job_with_a_clear_error(tmp_path):
     gluon_teacher(teacher)
     p = launch(tmp_path, "--teacher", teacher, "--dataset", "synthetic:n=400000,classes=10,shape=1x8x8",
                "--epochs", 1, "--batch-size", 16, "--run", "pk", popen=True)
-    deadline = time.monotonic() + 120
-    victim = None
-    while victim is None and time.monotonic() < deadline and p.poll() is None:
+
+    def producer():
         out = subprocess.run(["pgrep", "-f", f"cache_builder.*{tmp_path}/caches"], capture_output=True,
                              text=True).stdout.split()
-        if out and list((tmp_path / "caches").glob("*.parts/seg-*")):
-            victim = int(out[0])
-        time.sleep(0.2)
-    assert victim, "the producer did not start writing"
-    time.sleep(1)
-    os.kill(victim, signal.SIGKILL)
-    t = time.monotonic()
-    out, err = p.communicate(timeout=120)
-    assert time.monotonic() - t < 60, "the job did not end soon after its producer died"
+        return int(out[0]) if out and list((tmp_path / "caches").glob("*.parts/seg-*")) else None
+    seconds, err = kill_when_found(p, producer, "the producer", settle=1)
+    assert seconds < 60, "the job did not end soon after its producer died"
     assert p.returncode == 2 and "worker" in err and "stopped" in err, err[-3000:]
     assert "the producer failed: it was killed (SIGKILL)" in err and "Traceback" not in err, err[-3000:]
     assert not subprocess.run(["pgrep", "-f", f"{tmp_path}/"], capture_output=True, text=True).stdout.strip()

@@ -789,13 +789,7 @@ def main(argv=None):
 
     p = QUICK if args.quick else FULL
     png = args.png or os.path.join(os.path.dirname(os.path.abspath(args.out)), PNG_NAME)
-    m = machine()
-    try:
-        from importlib.metadata import version
-        m["mxnet"] = version("mxnet")
-    except Exception:  # the report still names everything else
-        m["mxnet"] = "?"
-    m["omp_num_threads"] = str(THREADS)  # what every MXNet child runs with
+    m = machine(mxnet=True, omp_num_threads=THREADS)  # what every MXNet child runs with
     load_start = os.getloadavg()
     t_start = time.perf_counter()
     if args.tmp:
@@ -889,7 +883,7 @@ def main(argv=None):
     }
 
     print(f"# kdcache KD benchmark ({'quick' if args.quick else 'full'} run, {runtime:.0f} s)\n")
-    print(machine_line(m) + f", MXNet {m['mxnet']}")
+    print(machine_line(m))
     print(f"load average (1/5/15 min): {' '.join(f'{v:.2f}' for v in load_start)} at the start, "
           f"{' '.join(f'{v:.2f}' for v in load_end)} at the end; other processes kept "
           f"{report['load']['other_processes_cores_mean'] or 0:.2f} cores busy on average during the runs "

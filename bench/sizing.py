@@ -104,13 +104,10 @@ def main(argv=None):
           f"bench.producer). Every later experiment on the same teacher, data and views reads "
           f"the cache and runs the teacher zero times.")
 
-    m = machine()
-    m["omp_num_threads"] = "1"
-    import mxnet as mx
-    m["mxnet"] = mx.__version__
+    m = machine(mxnet=True, omp_num_threads=1)
     runtime = time.perf_counter() - t_start
     print(f"# kdcache sizing for ImageNet-1k ({'quick' if args.quick else 'full'} run, {runtime:.0f} s)\n")
-    print(machine_line(m) + f", MXNet {m['mxnet']}\n")
+    print(machine_line(m) + "\n")
     print(f"## Bytes per view\n\n{t1}\n\n{n1}\n")
     print(f"## Teacher throughput per CPU core, and producer cores to keep a student fed\n\n{t2}\n\n{n2}\n")
     write_report(args.out, {

@@ -135,7 +135,9 @@ def rate(x):
     return f"{x:.0f}"
 
 
-def machine():
+def machine(mxnet=False, omp_num_threads=None):
+    """What the figures were measured on. mxnet=True adds MXNet's version (read from its package
+    metadata: this process need not import it); omp_num_threads: what the MXNet children run with."""
     model = ""
     try:
         with open("/proc/cpuinfo") as fh:
@@ -156,15 +158,25 @@ def machine():
         "numpy": np.__version__,
         "h5py": h5py.__version__,
         "hdf5": h5py.version.hdf5_version,
-        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "omp_num_threads": str(omp_num_threads) if omp_num_threads else os.environ.get("OMP_NUM_THREADS"),
+        **({"mxnet": _mxnet_version()} if mxnet else {}),
     }
+
+
+def _mxnet_version():
+    try:
+        from importlib.metadata import version
+        return version("mxnet")
+    except Exception:  # the report still names everything else
+        return "?"
 
 
 def machine_line(m):
     cpu = f"{m['cpu_model']}, " if m["cpu_model"] else ""
     return (f"machine: {m['cpus']} CPUs ({m['cpus_usable']} usable), {cpu}{m['processor']}/{m['machine']}, "
             f"{m['system']}, Python {m['python']}, numpy {m['numpy']}, h5py {m['h5py']} "
-            f"(HDF5 {m['hdf5']}), OMP_NUM_THREADS={m['omp_num_threads']}")
+            f"(HDF5 {m['hdf5']}), OMP_NUM_THREADS={m['omp_num_threads']}"
+            + (f", MXNet {m['mxnet']}" if "mxnet" in m else ""))
 
 
 # -- 1. gather vs numpy -----------------------------------------------------------------------

@@ -4,7 +4,6 @@ Shared by the producer (cache_builder) and by the trainer's inline mode, so both
 teacher's logits with the same code; the producer is the one that caches them.
 """
 import json
-import os
 
 import numpy as np
 

@@ -10,7 +10,7 @@ import time
 import numpy as np
 
 from . import schema
-from .errors import (BadInputError, CacheNotFoundError, FingerprintMismatchError,
+from .errors import (CacheNotFoundError, FingerprintMismatchError,
                      MissingTargetsError, ProducerGoneError)
 from .registry import base_path, final_path, parts_path, touch_used
 from .segment import (committed_rows, list_segments, lock_holders, open_final, open_swmr,

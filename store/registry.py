@@ -226,7 +226,6 @@ def verify(path, *, block_rows=65536):
     import json as _json
 
     from .errors import StoreError as _SE
-    from .fingerprint import fingerprint as _fp
     from .segment import committed_rows, list_segments, open_final, open_swmr, read_manifest, read_meta
     from .spec import CacheSpec
     base = base_path(path)

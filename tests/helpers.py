@@ -4,13 +4,33 @@
 shuffled order, in batches, with an optional delay, and can be killed at any moment.
 """
 import argparse
+import json
+import math
 import os
+import subprocess
 import sys
 import time
 
 import numpy as np
 
 from store import CacheSpec, CacheWriter
+
+
+def run_bench(module, tmp_path, *args, timeout=600):
+    """python -m bench.<module> --quick, its report in tmp_path/results and its scratch files in
+    tmp_path/scratch. Asserts a clean exit; returns (the finished process, the JSON report)."""
+    out, scratch = tmp_path / "results" / f"{module}.json", tmp_path / "scratch"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-m", f"bench.{module}", "--quick", "--out", str(out), "--tmp", str(scratch),
+                           *map(str, args)], cwd=root, env=dict(os.environ, PYTHONPATH=root), capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc, json.loads(out.read_text())
+
+
+def positive(v):
+    """A measured figure: a finite positive number."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
 
 
 def expected_logits(keys, num_classes, scale=6.0):

@@ -1,32 +1,17 @@
 """The KD benchmark runs end to end (--quick): every pair and scenario, the floors, the plot."""
-import json
-import math
 import os
-import subprocess
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import positive, run_bench
 
 PAIRS = ("light", "heavy")
 SCENARIOS = ("student_only", "inline", "inline_async", "online", "warm", "ring")
 
 
-def positive(v):
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
-
-
 @pytest.mark.slow
 def test_bench_kd_quick_writes_report_and_plot(tmp_path):
-    out = tmp_path / "results" / "kd.json"
-    scratch = tmp_path / "scratch"
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    proc = subprocess.run([sys.executable, "-m", "bench.kd", "--quick", "--out", str(out), "--tmp", str(scratch)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=580)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-
-    report = json.loads(out.read_text())
+    proc, report = run_bench("kd", tmp_path, timeout=580)
     rows = {(r["pair"], r["scenario"]): r for r in report["results"]}
     for pair in PAIRS:
         for sc in SCENARIOS:
@@ -59,10 +44,10 @@ def test_bench_kd_quick_writes_report_and_plot(tmp_path):
     assert report["quick"] is True and report["date"] and report["machine"]["mxnet"]
     assert report["gpu"]["skipped"] in (True, False)
 
-    png = out.parent / "kd_online.png"
+    png = tmp_path / "results" / "kd_online.png"
     assert png.exists() and png.stat().st_size > 10_000
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # One table per pair plus calibration and floors on stdout; every temporary file removed.
     assert "## light teacher" in proc.stdout and "## heavy teacher" in proc.stdout and "## Floors" in proc.stdout
-    assert os.listdir(scratch) == []
+    assert os.listdir(tmp_path / "scratch") == []

@@ -1,34 +1,18 @@
 """The producer benchmark runs end to end (--quick) and writes the report the README and issues quote."""
-import json
-import math
 import os
-import subprocess
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import positive, run_bench
 
 RATIOS = ("producer_vs_bare_forward", "two_shards_vs_one", "two_shards_vs_one_aggregate")
 RATES = ("bare_forward", "producer", "one_producer_wall", "two_shards_wall", "one_producer_reported",
          "two_shards_reported_sum")
 
 
-def positive(v):
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
-
-
 @pytest.mark.slow
 def test_bench_producer_quick_writes_report(tmp_path):
-    out = tmp_path / "results" / "p.json"
-    scratch = tmp_path / "scratch"
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    proc = subprocess.run([sys.executable, "-m", "bench.producer", "--quick", "--out", str(out),
-                           "--tmp", str(scratch)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-
-    report = json.loads(out.read_text())
+    proc, report = run_bench("producer", tmp_path, timeout=400)
     for key in RATIOS:
         assert positive(report[key]), (key, report[key])
     for key in RATES:
@@ -48,4 +32,4 @@ def test_bench_producer_quick_writes_report(tmp_path):
 
     # One markdown table per section on stdout, and every temporary file removed.
     assert proc.stdout.count("\n## ") == 3 and "| verdict" in proc.stdout
-    assert os.listdir(scratch) == []
+    assert os.listdir(tmp_path / "scratch") == []

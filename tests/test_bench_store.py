@@ -1,13 +1,10 @@
 """The store benchmark runs end to end (--quick) and writes the report the README and issues quote."""
-import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import run_bench
 
 RATIOS = ("gather_vs_numpy", "gather_vs_per_sample_files", "shuffled_vs_ordered_write_c10",
           "shuffled_vs_ordered_write_c1000")
@@ -15,15 +12,7 @@ RATIOS = ("gather_vs_numpy", "gather_vs_per_sample_files", "shuffled_vs_ordered_
 
 @pytest.mark.slow
 def test_bench_store_quick_writes_report(tmp_path):
-    out = tmp_path / "results" / "store.json"
-    scratch = tmp_path / "scratch"
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    proc = subprocess.run([sys.executable, "-m", "bench.store", "--quick", "--out", str(out),
-                           "--tmp", str(scratch)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-
-    report = json.loads(out.read_text())
+    proc, report = run_bench("store", tmp_path, timeout=300)
     for key in RATIOS:
         v = report[key]
         assert isinstance(v, float) and math.isfinite(v) and v > 0, (key, v)
@@ -42,4 +31,4 @@ def test_bench_store_quick_writes_report(tmp_path):
 
     # One markdown table per section on stdout, and every temporary file removed.
     assert proc.stdout.count("\n## ") == 6 and "PASS" in proc.stdout
-    assert os.listdir(scratch) == []
+    assert os.listdir(tmp_path / "scratch") == []

@@ -174,7 +174,6 @@ def test_fingerprint_follows_teacher_data_views_codec_not_seed_or_schedule(teach
 
 def test_online_follows_the_schedule_and_stops_when_complete(teachers, tmp_path):
     """With 2 views, epochs 0 and 1 fill the cache; the rows appear in schedule order."""
-    from pipeline.schedule import schedule
     out = cli("--teacher", teachers["gluon"], "--cache-dir", tmp_path, "--online", "--views", 2, "--epochs", 5,
               "--batch-size", 64, "--seed", 3)
     assert out["complete"] and out["rows_written"] == 2 * 1438 == out["teacher_forwards"]

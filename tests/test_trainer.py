@@ -92,7 +92,7 @@ def test_views_topk_and_ring(teacher, tmp_path):
     assert m["teacher_forwards"] == 2 * 1438 and 0 <= m["test_acc"] <= 1
     r = train(tmp_path, "--teacher", teacher, "--epochs", 2, "--store", "ring", "--ring-capacity", 256, "--run", "ring")
     assert r["cache_path"] is None and r["teacher_forwards"] == 2 * 1438
-    assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"kdcache-ring-") and "-ring" in f and
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith("kdcache-ring-") and "-ring" in f and
                 f.endswith("-ring")], "the ring is removed after the run"
 
 

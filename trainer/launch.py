@@ -7,7 +7,6 @@ A process that dies ends the whole run with a clear error instead of leaving the
 blocked in the kvstore. Across hosts, start the same processes by hand: see the README.
 """
 import argparse
-import json
 import os
 import signal
 import socket

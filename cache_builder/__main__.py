@@ -300,7 +300,8 @@ def run_ring(args, log, topt, dataset, augment, spec, result, timeline):
     from store.ring import RingWriter
     create = args.ring_capacity is not None
     ring = RingWriter(args.ring, create=create, capacity=args.ring_capacity, num_classes=spec.num_classes,
-                      codec=spec.codec, dtype=spec.dtype, timeout=float(os.environ.get("KDCACHE_RING_TIMEOUT", 600)))
+                      codec=spec.codec, dtype=spec.dtype, timeout=float(os.environ.get("KDCACHE_RING_TIMEOUT", 600)),
+                      fingerprint=spec.fingerprint)
     log.info("%s ring %s (%d rows): streaming %d epoch(s) of the schedule", "created" if create else "attached to",
              ring.name, ring.capacity, args.epochs)
     ok = False

@@ -26,8 +26,9 @@ import numpy as np
 
 from . import schema
 from .codec import _finite_or_raise, make_codec
-from .errors import (BadInputError, CacheNotFoundError, ConsumerGoneError, MissingTargetsError,
-                     ProducerGoneError, StoreError, UnsupportedFormatError, WriterBusyError)
+from .errors import (BadInputError, CacheNotFoundError, ConsumerGoneError, FingerprintMismatchError,
+                     MissingTargetsError, ProducerGoneError, StoreError, UnsupportedFormatError,
+                     WriterBusyError)
 
 try:  # what SharedMemory itself uses on POSIX; lets a peer map a segment without its tracker
     import _posixshmem
@@ -36,7 +37,7 @@ except ImportError:  # pragma: no cover - Windows has no /dev/shm rings
 
 PREFIX = "kdcache-ring-"
 SHM_DIR = "/dev/shm"
-LAYOUT_VERSION = 1     # bump when a ring written by this code cannot be read by older code
+LAYOUT_VERSION = 2     # bump when a ring written by this code cannot be read by older code (2: fingerprint)
 MAGIC = b"KDCRING1"
 
 EMPTY, READY = 0, 1
@@ -53,7 +54,7 @@ _HEADER = np.dtype([
     ("creator_pid", "<i8"), ("creator_start", "<i8"),
     ("producer_pid", "<i8"), ("producer_start", "<i8"), ("producer_beat", "<f8"), ("producer_state", "<i8"),
     ("consumer_pid", "<i8"), ("consumer_start", "<i8"), ("consumer_beat", "<f8"), ("consumer_state", "<i8"),
-    ("write_count", "<i8"),
+    ("write_count", "<i8"), ("fingerprint", "S32"),
 ])
 _ALIGN = 64
 _BEAT_S = 0.5          # heartbeat period of the background thread
@@ -232,7 +233,7 @@ class _Ring:
     """The mapping, the views and the liveness logic shared by RingWriter and RingReader."""
 
     def __init__(self, role, name, *, create, capacity, num_classes, codec, dtype, timeout,
-                 liveness_timeout):
+                 liveness_timeout, fingerprint=None):
         self.role, self.peer = role, (CONSUMER if role == PRODUCER else PRODUCER)
         self.timeout = float(timeout)
         self.liveness_timeout = float(liveness_timeout)
@@ -246,10 +247,14 @@ class _Ring:
         self.fields = {}
         self._seg = None
         try:
+            if fingerprint is not None and (not isinstance(fingerprint, str) or not fingerprint.isalnum()
+                                            or len(fingerprint) > 32):
+                raise StoreError(f"fingerprint must be a cache fingerprint (letters and digits, at most 32), "
+                                 f"got {fingerprint!r}")
             if create:
-                self._create(capacity, num_classes, codec, dtype)
+                self._create(capacity, num_classes, codec, dtype, fingerprint)
             else:
-                self._attach(capacity, num_classes, codec, dtype)
+                self._attach(capacity, num_classes, codec, dtype, fingerprint)
             self._claim()
         except BaseException:
             self._release()
@@ -262,7 +267,7 @@ class _Ring:
         self._thread.start()
 
     # --- setting up ---
-    def _create(self, capacity, num_classes, codec, dtype):
+    def _create(self, capacity, num_classes, codec, dtype, fingerprint):
         if num_classes is None:
             raise StoreError("creating a ring (create=True) needs num_classes: pass the teacher's "
                              "number of classes")
@@ -286,9 +291,11 @@ class _Ring:
         h["version"], h["capacity"], h["num_classes"] = LAYOUT_VERSION, self.capacity, self.num_classes
         h["codec"], h["dtype"] = self.codec.spec.encode(), self.dtype.encode()
         h["total_bytes"], h["creator_pid"], h["creator_start"] = total, me, _start_time(me)
+        h["fingerprint"] = (fingerprint or "").encode()
+        self.fingerprint = fingerprint
         h["magic"] = MAGIC  # last: a peer trusts the header once it sees the magic
 
-    def _attach(self, capacity, num_classes, codec, dtype):
+    def _attach(self, capacity, num_classes, codec, dtype, fingerprint):
         deadline = time.monotonic() + self.timeout
         while True:
             seen = False
@@ -318,11 +325,18 @@ class _Ring:
             time.sleep(0.01)
         h = np.ndarray((), _HEADER, buffer=self._seg.buf)
         version = int(h["version"])
-        if version > LAYOUT_VERSION or version < 1:
+        if version != LAYOUT_VERSION:
             raise UnsupportedFormatError(
-                f"ring {self.name} has layout version {version}, this kdcache reads 1 to "
+                f"ring {self.name} has layout version {version}, this kdcache reads "
                 f"{LAYOUT_VERSION}: run the same kdcache version on both sides")
         self.capacity, self.num_classes = int(h["capacity"]), int(h["num_classes"])
+        self.fingerprint = h["fingerprint"].item().decode() or None
+        if fingerprint is not None and self.fingerprint is not None and fingerprint != self.fingerprint:
+            del h
+            raise FingerprintMismatchError(
+                f"ring {self.name} streams targets for fingerprint {self.fingerprint}, this side expects "
+                f"{fingerprint} (another teacher, data set, views or codec): start the producer with the "
+                f"trainer's options, or let the trainer start it")
         spec, self.dtype = h["codec"].item().decode(), h["dtype"].item().decode()
         del h
         if num_classes is not None and int(num_classes) != self.num_classes:
@@ -554,18 +568,22 @@ class RingWriter:
     create=True makes the segment (capacity rows of num_classes logits stored with codec/dtype;
     defaults 4096, "full", "float16"); create=False attaches to `name`, waiting up to `timeout`
     seconds for it to appear, and takes the geometry from its header (num_classes, codec, dtype or
-    capacity passed here must agree, else StoreError). The creator removes the segment when it
+    capacity passed here must agree, else StoreError). `fingerprint` (the cache fingerprint of the
+    targets: teacher, data, views, codec) is stored by the creator; an attaching side that passes
+    another one is refused (FingerprintMismatchError); None on either side skips the check. The creator removes the segment when it
     closes; an attached peer keeps reading through its mapping, so attach before the creator
     closes. write() blocks while the ring is full; `timeout` counts seconds without progress and
     `liveness_timeout` how long the consumer may go without a heartbeat before it counts as dead.
     """
 
     def __init__(self, name=None, *, create=True, capacity=None, num_classes=None, codec=None,
-                 dtype=None, timeout=60.0, liveness_timeout=5.0):
+                 dtype=None, timeout=60.0, liveness_timeout=5.0, fingerprint=None):
         self._ring = _Ring(PRODUCER, name, create=create, capacity=capacity, num_classes=num_classes,
-                           codec=codec, dtype=dtype, timeout=timeout, liveness_timeout=liveness_timeout)
+                           codec=codec, dtype=dtype, timeout=timeout, liveness_timeout=liveness_timeout,
+                           fingerprint=fingerprint)
         r = self._ring
-        self.name, self.capacity, self.num_classes = r.name, r.capacity, r.num_classes
+        self.name, self.capacity, self.num_classes, self.fingerprint = r.name, r.capacity, r.num_classes, \
+            r.fingerprint
         self.codec, self.dtype = r.codec.spec, r.dtype
         self._count = int(r.hdr["write_count"])
         self._lock = threading.Lock()
@@ -675,11 +693,13 @@ class RingReader:
     """
 
     def __init__(self, name=None, *, create=False, capacity=None, num_classes=None, codec=None,
-                 dtype=None, timeout=60.0, liveness_timeout=5.0):
+                 dtype=None, timeout=60.0, liveness_timeout=5.0, fingerprint=None):
         self._ring = _Ring(CONSUMER, name, create=create, capacity=capacity, num_classes=num_classes,
-                           codec=codec, dtype=dtype, timeout=timeout, liveness_timeout=liveness_timeout)
+                           codec=codec, dtype=dtype, timeout=timeout, liveness_timeout=liveness_timeout,
+                           fingerprint=fingerprint)
         r = self._ring
-        self.name, self.capacity, self.num_classes = r.name, r.capacity, r.num_classes
+        self.name, self.capacity, self.num_classes, self.fingerprint = r.name, r.capacity, r.num_classes, \
+            r.fingerprint
         self.codec, self.dtype = r.codec.spec, r.dtype
         self.stall_s = 0.0  # total seconds get() spent waiting for rows
         self._guess = 0

@@ -285,6 +285,18 @@ def test_shards_2_a_killed_shard_or_command_stops_every_shard_and_a_rerun_finish
         assert a["logits"][...].tobytes() == b["logits"][...].tobytes()
 
 
+def test_a_ring_for_other_targets_is_refused(teachers):
+    """--ring NAME attaches to a ring whose creator expects another fingerprint: one error line,
+    exit 2, nothing written into the ring."""
+    from store.ring import RingReader
+    with RingReader(create=True, num_classes=10, fingerprint="ffff", timeout=5) as r:
+        out = cli("--teacher", teachers["gluon"], "--ring", r.name, "--epochs", 1, check=False)
+        assert out.returncode == 2, out.stderr
+        last = out.stderr.strip().splitlines()[-1]
+        assert last.startswith("error: ring") and "fingerprint ffff" in last and "Traceback" not in out.stderr
+        assert int(r._ring.hdr["write_count"]) == 0
+
+
 @pytest.mark.parametrize("args,match", [
     (["--dataset", "nosuch"], "unknown data set"), (["--dataset", "mnist"], "--data-root"),
     (["--views", "2", "--augment", "none"], "every view would be the same"), (["--codec", "topk:x"], "topk"),

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from store.codec import make_codec
-from store.errors import (BadInputError, CacheNotFoundError, ConsumerGoneError, MissingTargetsError,
-                          ProducerGoneError, StoreError, WriterBusyError)
+from store.errors import (BadInputError, CacheNotFoundError, ConsumerGoneError, FingerprintMismatchError,
+                          MissingTargetsError, ProducerGoneError, StoreError, WriterBusyError)
 from store.ring import SHM_DIR, RingReader, RingWriter, cleanup_stale
 
 REPO = Path(__file__).resolve().parents[1]
@@ -230,6 +230,24 @@ def test_geometry_disagreement_on_attach_names_both(ring_name):
             RingReader(ring_name, capacity=32, timeout=1)
         with RingReader(ring_name, num_classes=10, codec="FULL", dtype="float16", capacity=16) as r:
             assert r.num_classes == 10
+
+
+def test_a_ring_carries_its_fingerprint_and_refuses_another(ring_name):
+    """The creator names the targets it streams (the cache fingerprint); a peer expecting another
+    teacher, data set, views or codec is refused before it reads or writes a row."""
+    with RingReader(ring_name, create=True, num_classes=10, fingerprint="0123456789abcdef0123", timeout=5) as r:
+        assert r.fingerprint == "0123456789abcdef0123"
+        with pytest.raises(FingerprintMismatchError, match=r"fingerprint 0123456789abcdef0123.*expects ffff"):
+            RingWriter(ring_name, create=False, fingerprint="ffff", timeout=1)
+        with RingWriter(ring_name, create=False, fingerprint="0123456789abcdef0123", timeout=1) as w:
+            assert w.fingerprint == r.fingerprint
+    with RingWriter(ring_name, num_classes=3) as w:  # no fingerprint: no check, as before
+        assert w.fingerprint is None
+        with RingReader(ring_name, fingerprint="abc", timeout=1) as r:
+            assert r.fingerprint is None
+    with pytest.raises(StoreError, match="fingerprint must be"):
+        RingWriter(ring_name, num_classes=3, fingerprint="../x")
+    assert not seg(ring_name).exists()
 
 
 def test_attach_to_missing_ring_fails_clearly(ring_name):

@@ -174,7 +174,7 @@ def start_early(args, cores, threads):
         from store.ring import RingReader
         early.ring = RingReader(f"kdcache-ring-{os.getpid()}-{run_name}"[:60], create=True,
                                 capacity=args.ring_capacity, num_classes=spec.num_classes, codec=spec.codec,
-                                dtype=spec.dtype, timeout=args.wait_timeout)
+                                dtype=spec.dtype, timeout=args.wait_timeout, fingerprint=spec.fingerprint)
         early.producer = start_producer(producer_command(args, topt, None, threads=ptheads, ring=early.ring.name),
                                         os.path.join(run_dir, "producer.log"))
         return early

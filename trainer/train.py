@@ -246,7 +246,7 @@ def run(args, threads, cores):
             from store.ring import RingReader
             ring = RingReader(f"kdcache-ring-{os.getpid()}-{run_name}"[:60], create=True, capacity=args.ring_capacity,
                               num_classes=spec.num_classes, codec=spec.codec, dtype=spec.dtype,
-                              timeout=args.wait_timeout)
+                              timeout=args.wait_timeout, fingerprint=spec.fingerprint)
             producer = start_producer(producer_command(args, topt, None, threads=ptheads, ring=ring.name),
                                       os.path.join(run_dir, "producer.log"))
             targets = lambda st: ring.get(st.indices, st.epoch)

@@ -200,7 +200,7 @@ def run_shards(args, log, path, spec, result, t0, fill_shard):
             os._exit(code)
         os.close(w)
         children[pid] = (i, r)
-    results, errors, stopped = [], [], False
+    results, errors, stopped, signalled = [], [], False, set()
     while children:
         pid, status = os.wait()
         if pid not in children:
@@ -221,7 +221,8 @@ def run_shards(args, log, path, spec, result, t0, fill_shard):
                 stopped = True
                 log.error("shard %d/%d: %s; stopping the other shards (their rows are kept)", i, args.shards,
                           out["error"])
-            for other in children:
+            for other in set(children) - signalled:  # once each: a second SIGINT could cut its clean-up short
+                signalled.add(other)
                 try:
                     os.kill(other, signal.SIGINT)
                 except ProcessLookupError:

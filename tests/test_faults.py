@@ -63,14 +63,14 @@ def one_error_line(r):
     return last
 
 
-def committed_rows_match_teacher(base, teacher):
+def committed_rows_match_teacher(base, teacher, data=SYNTH):
     """Every committed row of the cache equals the teacher's output for its key."""
     from pipeline import load_dataset
     from pipeline.teacher import Teacher
     with CacheReader(base) as r:
         done = np.flatnonzero(r._done)
         if done.size:
-            x, _ = load_dataset(SYNTH).get_batch(done)
+            x, _ = load_dataset(data).get_batch(done)
             want = Teacher(teacher).forward(x).astype(np.float32)
             got = r.get(done, wait=False)
             if r.spec.dtype == "float16":
@@ -267,20 +267,24 @@ def test_killing_or_interrupting_the_trainer_leaves_nothing_behind(teacher, tmp_
 
 @pytest.mark.slow
 def test_interrupted_producer_resumes(teacher, tmp_path):
-    p = subprocess.Popen([sys.executable, "-m", "cache_builder", "--quiet", "--teacher", teacher, "--dataset", SYNTH,
+    n = 200000  # enough rows that the producer is still writing when Ctrl-C comes
+    data = f"synthetic:n={n},classes=10,shape=1x8x8"
+    p = subprocess.Popen([sys.executable, "-m", "cache_builder", "--quiet", "--teacher", teacher, "--dataset", data,
                           "--batch-size", "16", "--cache-dir", str(tmp_path)], env=ENV, cwd=ROOT,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     while not glob.glob(str(tmp_path / "*.parts" / "seg-*")):
+        assert p.poll() is None, p.communicate()[1][-2000:]
         time.sleep(0.05)
     time.sleep(0.5)
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=60)
-    assert p.returncode == 130 and "resume" in err and "Traceback" not in err
+    assert p.returncode == 130 and "resume" in err and "Traceback" not in err, err[-2000:]
     base = glob.glob(str(tmp_path / "*.parts"))[0][:-6]
-    kept = committed_rows_match_teacher(base, teacher)
-    r = producer("--teacher", teacher, "--dataset", SYNTH, "--batch-size", 16, "--cache-dir", tmp_path)
+    kept = committed_rows_match_teacher(base, teacher, data)
+    assert 0 < kept < n
+    r = producer("--teacher", teacher, "--dataset", data, "--batch-size", 16, "--cache-dir", tmp_path)
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    assert out["complete"] and out["rows_written"] == 40000 - kept
+    assert out["complete"] and out["rows_written"] == n - kept
 
 
 @pytest.mark.slow

@@ -112,7 +112,10 @@ def produce_online(teacher, dataset, sink, *, seed, augment, batch_size, epochs,
     """
     spec = sink.spec
     n = spec.num_samples
-    total = (epochs - start_epoch) * steps_per_epoch(n, batch_size)
+    # A cache holds every view after `views` epochs (epoch e uses view e mod V): the work ends
+    # there. A ring is consumed as it goes: every epoch is streamed.
+    epochs_of_work = epochs - start_epoch if sink.base is None else min(epochs - start_epoch, spec.views)
+    total = epochs_of_work * steps_per_epoch(n, batch_size)
     stats = Stats()
     t0 = time.perf_counter()
     next_report = 0.0
@@ -137,6 +140,7 @@ def produce_online(teacher, dataset, sink, *, seed, augment, batch_size, epochs,
                 if pos is not None:
                     bar.set_postfix(lead=f"{st.position - pos:+d} steps", refresh=False)
             if sink.finished:
+                bar.update(max(0, bar.total - bar.n))  # done: the bar says so
                 break  # every key is cached: later epochs would only re-read it
     finally:
         bar.close()

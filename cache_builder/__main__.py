@@ -160,7 +160,10 @@ def report(args, log, spec, result):
 
 
 def _die_with_parent(parent):
-    """In a forked shard: get SIGTERM when the command that forked it dies, even by kill -9."""
+    """In a forked shard: take SIGINT again (the command stops a shard with it, also when the
+    command itself was started with SIGINT ignored, as a background job of a script is), and
+    get SIGTERM when the command that forked it dies, even by kill -9."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         import ctypes
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG

@@ -251,12 +251,14 @@ def test_shards_2_a_killed_shard_or_command_stops_every_shard_and_a_rerun_finish
     """--shards 2: kill -9 of one forked shard ends the command at once with a clear error (the
     other shard stops too: a trainer behind them must not wait for rows no shard writes); kill -9
     of the command takes its shards with it. A rerun resumes both shards; the cache is bitwise
-    the one an uninterrupted --shards 2 build makes."""
+    the one an uninterrupted --shards 2 build makes. The command is started with SIGINT ignored
+    when a shard is the victim (as a background job of a script is): the shards must still stop."""
     args = ["--teacher", teachers["gluon"], "--dataset", "synthetic:n=400000,classes=10,shape=1x8x8",
             "--batch-size", 16, "--dtype", "float32", "--shards", 2]
     d = tmp_path / "killed"
     p = subprocess.Popen([sys.executable, "-m", "cache_builder", "--quiet", *map(str, args), "--cache-dir", str(d)],
-                         env=ENV, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         env=ENV, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if victim == "shard" else None)
     deadline = time.monotonic() + 120
     segs = lambda: [f for f in (os.listdir(next(d.glob("*.parts"))) if d.exists() and list(d.glob("*.parts"))
                                 else []) if f.startswith("seg-")]

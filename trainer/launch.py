@@ -14,6 +14,8 @@ import subprocess
 import sys
 import time
 
+from trainer.targets import child_setup
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -49,7 +51,7 @@ def main(argv=None):
 
     def spawn(role, cmd, extra=None):
         env = {**base, "DMLC_ROLE": role, **(extra or {})}
-        proc = subprocess.Popen(cmd, env=env, cwd=os.getcwd(), start_new_session=False)
+        proc = subprocess.Popen(cmd, env=env, cwd=os.getcwd(), start_new_session=False, preexec_fn=child_setup)
         procs.append((role, proc))
         return proc
 

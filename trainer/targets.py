@@ -59,8 +59,14 @@ def producer_command(args, topt, spec_path, *, split="train", online=True, threa
     return cmd
 
 
-def _die_with_parent():
-    """In the producer child: get SIGTERM when the trainer dies, even by kill -9 (Linux)."""
+def child_setup():
+    """In a child the trainer or the launcher starts (Popen preexec_fn): take SIGINT again, and
+    get SIGTERM when the parent dies, even by kill -9 (Linux).
+
+    SIGINT is how a parent stops its child cleanly (the child commits what it wrote). A process
+    started with SIGINT ignored (a background job of a shell script: `make train &`) would pass
+    that on to its children, and they would then only stop at the kill that follows."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     try:
         import ctypes
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
@@ -73,7 +79,7 @@ def start_producer(cmd, log_path):
     fh = open(log_path, "ab")
     log.info("starting producer: %s (log: %s)", " ".join(cmd[1:]), log_path)
     proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=os.getcwd(),
-                            preexec_fn=_die_with_parent)
+                            preexec_fn=child_setup)
     fh.close()
     return proc
 

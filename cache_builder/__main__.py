@@ -159,20 +159,6 @@ def report(args, log, spec, result):
     return 0
 
 
-def _die_with_parent(parent):
-    """In a forked shard: take SIGINT again (the command stops a shard with it, also when the
-    command itself was started with SIGINT ignored, as a background job of a script is), and
-    get SIGTERM when the command that forked it dies, even by kill -9."""
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
-    if os.getppid() != parent:  # it died before prctl took effect
-        os._exit(143)
-
-
 def run_shards(args, log, path, spec, result, t0, fill_shard):
     """Fork one producer per shard after the data set is loaded once; gather their results.
 
@@ -181,6 +167,7 @@ def run_shards(args, log, path, spec, result, t0, fill_shard):
     that no shard will write; running the same command again resumes every shard."""
     if args.shard != "0/1":
         raise ValueError("--shards N forks shards 0/N .. N-1/N itself: drop --shard")
+    from pipeline.children import die_with_parent
     parent = os.getpid()
     children = {}
     for i in range(args.shards):
@@ -188,7 +175,7 @@ def run_shards(args, log, path, spec, result, t0, fill_shard):
         pid = os.fork()
         if pid == 0:  # the shard: fill, hand the result back, leave without the parent's clean-up
             os.close(r)
-            _die_with_parent(parent)
+            die_with_parent(parent)
             code = 0
             try:
                 out = fill_shard(i)

@@ -7,6 +7,7 @@ A process that dies ends the whole run with a clear error instead of leaving the
 blocked in the kvstore. Across hosts, start the same processes by hand: see the README.
 """
 import argparse
+import functools
 import os
 import signal
 import socket
@@ -14,7 +15,7 @@ import subprocess
 import sys
 import time
 
-from trainer.targets import child_setup
+from pipeline.children import die_with_parent
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -51,7 +52,8 @@ def main(argv=None):
 
     def spawn(role, cmd, extra=None):
         env = {**base, "DMLC_ROLE": role, **(extra or {})}
-        proc = subprocess.Popen(cmd, env=env, cwd=os.getcwd(), start_new_session=False, preexec_fn=child_setup)
+        proc = subprocess.Popen(cmd, env=env, cwd=os.getcwd(), start_new_session=False,
+                                preexec_fn=functools.partial(die_with_parent, os.getpid()))
         procs.append((role, proc))
         return proc
 

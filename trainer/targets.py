@@ -5,12 +5,15 @@ MXNet, so the producer's start-up (its own MXNet import, data load, teacher load
 trainer's instead of coming after it, inside the first epoch.
 """
 import dataclasses
+import functools
 import logging
 import os
 import signal
 import subprocess
 import sys
 import time
+
+from pipeline.children import die_with_parent
 
 log = logging.getLogger("kdcache.trainer")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -59,27 +62,12 @@ def producer_command(args, topt, spec_path, *, split="train", online=True, threa
     return cmd
 
 
-def child_setup():
-    """In a child the trainer or the launcher starts (Popen preexec_fn): take SIGINT again, and
-    get SIGTERM when the parent dies, even by kill -9 (Linux).
-
-    SIGINT is how a parent stops its child cleanly (the child commits what it wrote). A process
-    started with SIGINT ignored (a background job of a shell script: `make train &`) would pass
-    that on to its children, and they would then only stop at the kill that follows."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
-
-
 def start_producer(cmd, log_path):
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     fh = open(log_path, "ab")
     log.info("starting producer: %s (log: %s)", " ".join(cmd[1:]), log_path)
     proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=os.getcwd(),
-                            preexec_fn=child_setup)
+                            preexec_fn=functools.partial(die_with_parent, os.getpid()))
     fh.close()
     return proc
 

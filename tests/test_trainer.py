@@ -60,6 +60,55 @@ def test_kd_loss_matches_the_formula():
     assert np.allclose(KDLoss(T, 1.0)(mx.nd.array(t), mx.nd.array(t), mx.nd.array(y)).asnumpy(), 0, atol=1e-5)
 
 
+def test_ctrl_c_in_the_epochs_is_kept_and_raised_at_a_safe_point():
+    """SIGINT during the epochs is recorded, not raised where the main thread happens to be (an
+    MXNet destructor would swallow it, a queue's lock would stay held), and raised by the next
+    check: at a step, or while the loop waits for a batch. A second SIGINT is raised at once.
+    Afterwards Python's own handler is back; a trainer started with SIGINT ignored keeps ignoring it."""
+    import threading
+    from trainer.train import Interrupts, Prefetcher
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    stop = Interrupts().install()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)  # the handler has run: nothing was raised
+        assert stop.requested
+        with pytest.raises(KeyboardInterrupt):
+            stop.check()
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.5)
+    finally:
+        stop.restore()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+    # a loop waiting for a batch that never comes is stopped by the check it polls
+    never = threading.Event()
+
+    def steps():  # a batch that is not ready: the thread waits, and so does the loop
+        never.wait(10)
+        yield from ()
+    stop = Interrupts().install()
+    pf = Prefetcher(steps(), None, seed=0, augment=None, targets=None, poll=stop.check)
+    try:
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+        t = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            next(iter(pf))
+        assert 0.2 < time.monotonic() - t < 5
+    finally:
+        stop.restore()
+        never.set()
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        stop = Interrupts().install()
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        stop.restore()
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 # --- end to end ------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_cache_and_inline_give_the_same_student_and_the_cache_is_reused(teacher, tmp_path):

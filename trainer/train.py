@@ -4,6 +4,7 @@ import json
 import logging
 import os
 import queue
+import signal
 import subprocess
 import threading
 import time
@@ -53,13 +54,49 @@ def resolve_ctx(arg):
     raise TrainError(f"--ctx {arg!r}: use auto, cpu, cpu:0,1 or gpu:0[,1,...]")
 
 
+class Interrupts:
+    """Ctrl-C (SIGINT) during the epochs, raised where it is safe.
+
+    Python raises KeyboardInterrupt wherever the main thread happens to be: inside an MXNet
+    destructor it is swallowed ("Exception ignored in ... NDArrayBase.__del__") and training goes
+    on; between a lock's acquire and its release (a queue's, in the batch wait) it can leave the
+    lock held, and a trainer was once seen hanging after a Ctrl-C. While
+    installed, the first SIGINT is recorded and raised by check(), at the next step or while the
+    loop waits for a batch; a second one is raised at once."""
+
+    def __init__(self):
+        self.requested = False
+        self._old = None
+
+    def install(self):
+        # only over Python's own handler: not when the trainer was started with SIGINT ignored
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            self._old = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def _handler(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def check(self):
+        if self.requested:
+            raise KeyboardInterrupt
+
+    def restore(self):
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+            self._old = None
+
+
 # --- targets ---------------------------------------------------------------------------------
 class Prefetcher:
     """Builds batches (student inputs, labels, teacher targets) ahead of the loop in a thread, so
     cache gathers and input preparation overlap the student's compute (MXNet releases the GIL)."""
 
-    def __init__(self, steps, dataset, *, seed, augment, targets, depth=3):
+    def __init__(self, steps, dataset, *, seed, augment, targets, depth=3, poll=lambda: None):
         self.q = queue.Queue(maxsize=depth)
+        self._poll = poll  # called every 0.1 s while the loop waits for a batch
         self._stop = threading.Event()
         self.error = None
         self.stall_s = 0.0
@@ -87,7 +124,12 @@ class Prefetcher:
     def __iter__(self):
         while True:
             t0 = time.perf_counter()
-            item = self.q.get()
+            while True:
+                try:
+                    item = self.q.get(timeout=0.1)
+                    break
+                except queue.Empty:
+                    self._poll()
             self.stall_s += time.perf_counter() - t0
             if item is None:
                 if self.error is not None:
@@ -321,19 +363,21 @@ def run(args, threads, cores):
     metrics = {}
     pf = None
     timeline = []  # (unix time, schedule position, seconds this step waited): runs/<run>/timeline.json
+    interrupts = Interrupts().install()
     try:
         for epoch in range(start_epoch, args.epochs):
             steps = schedule(args.seed, epoch + 1, n, args.batch_size, args.views, start_epoch=epoch)
             if workers > 1:
                 steps = (dataclasses.replace(st, indices=st.indices[rank::workers]) for st in steps)
             pf = Prefetcher(steps, train, seed=args.seed, augment=augment,
-                            targets=targets if mode == "cache" else None)
+                            targets=targets if mode == "cache" else None, poll=interrupts.check)
             bar = tqdm(total=spe, desc=f"epoch {epoch + 1}/{args.epochs}", unit="step", disable=args.quiet,
                        dynamic_ncols=True, leave=not args.quiet)
             t0 = time.perf_counter()
             tot_loss, last_report, stall_before, epoch_seen = 0.0, 0.0, 0.0, 0
             try:
                 for st, x, y, t in pf:
+                    interrupts.check()
                     if mode == "inline":
                         t = teacher.forward(x)
                     xs = gluon.utils.split_and_load(x, ctx, even_split=False)
@@ -382,7 +426,9 @@ def run(args, threads, cores):
             options = {k: v for k, v in vars(args).items() if k != "early"}
             save_checkpoint(run_dir, net, trainer, epoch, {"history": history, "args": options,
                                                            "rank": rank, "workers": workers, "kvstore": args.kvstore})
+            interrupts.check()
     finally:
+        interrupts.restore()
         stop_producer(producer)
         if ring is not None:
             ring.close()

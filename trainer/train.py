@@ -60,9 +60,9 @@ class Interrupts:
     Python raises KeyboardInterrupt wherever the main thread happens to be: inside an MXNet
     destructor it is swallowed ("Exception ignored in ... NDArrayBase.__del__") and training goes
     on; between a lock's acquire and its release (a queue's, in the batch wait) it can leave the
-    lock held, and a trainer was once seen hanging after a Ctrl-C. While
-    installed, the first SIGINT is recorded and raised by check(), at the next step or while the
-    loop waits for a batch; a second one is raised at once."""
+    lock held, and a trainer was once seen hanging after a Ctrl-C. While installed, the first
+    SIGINT is recorded and raised by check(), at the next step or while the loop waits for a
+    batch; a second one is raised at once."""
 
     def __init__(self):
         self.requested = False

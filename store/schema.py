@@ -21,8 +21,6 @@ FORMAT_VERSION = 1  # bump when a file written by this code cannot be read by ol
 FINAL_SUFFIX = ".h5"
 PARTS_SUFFIX = ".parts"
 MANIFEST = "manifest.json"
-SEGMENT_GLOB = "seg-*.h5"
-LOCK_GLOB = "shard-*.lock"
 COMPACT_LOCK = "compact.lock"
 
 
@@ -66,10 +64,6 @@ KEY_LAYOUT = "flat key = sample_index * views + view; final datasets are [sample
 
 KIND_CACHE = "cache"
 KIND_SEGMENT = "segment"
-
-# The metadata fields every file and the manifest carry (plain JSON types only).
-META_FIELDS = (A_FORMAT, A_FINGERPRINT, A_INPUTS, A_NUM_SAMPLES, A_VIEWS, A_NUM_CLASSES,
-               A_CODEC, A_DTYPE, A_TOOL_VERSION, A_CREATED, A_KEY_LAYOUT)
 
 
 def flat_keys(indices, views, num_samples, num_views, *, check_upper=True):

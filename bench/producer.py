@@ -42,7 +42,7 @@ import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from bench.store import machine, machine_line, md_table, write_report, rate, verdict  # noqa: E402
+from bench.common import machine, machine_line, md_table, rate, verdict, write_report  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUT = os.path.join("bench", "results", "producer.json")

@@ -1,5 +1,7 @@
-"""Sizing for ImageNet-1k: bytes per view for each codec, and teacher throughput per CPU core
-measured here, extrapolated to the producer cores that keep a student fed.
+"""Sizing for ImageNet-1k: bytes per view per codec, teacher images/s per core, producer cores per student.
+
+Teacher throughput per CPU core is measured here and extrapolated to the producer cores that
+keep a student fed.
 
     PYTHONPATH=. python -m bench.sizing [--quick] [--student-rate 3000] [--cores 64]
                                         [--out bench/results/sizing.json]
@@ -12,17 +14,18 @@ Bytes per row come from the store's own codecs (store.codec), not from a formula
 import os
 import sys
 
-os.environ["OMP_NUM_THREADS"] = "1"  # one core: the unit the extrapolation multiplies
-os.environ.setdefault("MXNET_SUBGRAPH_VERBOSE", "0")
-
 if __package__ in (None, ""):  # run as a file: import the repo's packages, not this directory's
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+from bench.common import limit_threads  # noqa: E402
+
+limit_threads(os.environ)  # one core, before MXNet loads: the unit the extrapolation multiplies
+
 import argparse  # noqa: E402
-import datetime  # noqa: E402
 import time  # noqa: E402
 
-from bench.store import machine, machine_line, md_table, write_report  # noqa: E402
+from bench.common import (heading, machine, machine_line, make_log, md_table, section, utc_now,  # noqa: E402
+                          write_report)
 from store.codec import make_codec  # noqa: E402
 
 DEFAULT_OUT = os.path.join("bench", "results", "sizing.json")
@@ -32,8 +35,7 @@ TEACHERS = ("resnet50_v1", "resnet18_v1", "mobilenet1.0")
 CODECS = (("full", "float32"), ("full", "float16"), ("topk:10", "float16"), ("topk:5", "float16"))
 
 
-def log(msg):
-    print(f"[bench.sizing {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+log = make_log("bench.sizing")
 
 
 def size(nbytes):
@@ -106,15 +108,15 @@ def main(argv=None):
 
     m = machine(mxnet=True, omp_num_threads=1)
     runtime = time.perf_counter() - t_start
-    print(f"# kdcache sizing for ImageNet-1k ({'quick' if args.quick else 'full'} run, {runtime:.0f} s)\n")
+    print(heading("kdcache sizing for ImageNet-1k", args.quick, runtime))
     print(machine_line(m) + "\n")
-    print(f"## Bytes per view\n\n{t1}\n\n{n1}\n")
-    print(f"## Teacher throughput per CPU core, and producer cores to keep a student fed\n\n{t2}\n\n{n2}\n")
+    print(section("Bytes per view", t1, n1))
+    print(section("Teacher throughput per CPU core, and producer cores to keep a student fed", t2, n2))
     write_report(args.out, {
         "bytes_per_row": sizes, "imagenet_train_images": IMAGENET_TRAIN, "classes": IMAGENET_CLASSES,
         "teachers": rates, "batch": batch, "student_rate": args.student_rate, "cores": args.cores,
         "machine": m, "quick": bool(args.quick), "runtime_s": runtime,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})
+        "date": utc_now()})
     print(f"Report: {args.out}")
     return 0
 

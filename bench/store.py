@@ -15,17 +15,16 @@ Sections, with the floors the store was built to meet:
 import os
 import sys
 
-# Before numpy loads: one BLAS/OpenMP thread, so the figures do not depend on the core count.
-for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-    os.environ.setdefault(_var, "1")
 if __package__ in (None, ""):  # run as a file (python bench/store.py): import the repo's store/, not this module
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+from bench.common import limit_threads  # noqa: E402
+
+# Before numpy loads: one BLAS/OpenMP thread, so the figures do not depend on the core count.
+limit_threads(os.environ, force=False)
+
 import argparse  # noqa: E402
-import datetime  # noqa: E402
 import gc  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
@@ -34,6 +33,8 @@ import time  # noqa: E402
 import h5py  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench.common import (Children, floors_line, heading, machine, machine_line, make_log, md_table,  # noqa: E402
+                          rate, scratch_dir, section, utc_now, verdict, write_report)
 from store import CacheNotFoundError, CacheReader, CacheSpec, CacheWriter, path_for  # noqa: E402
 
 BATCH = 256
@@ -59,8 +60,7 @@ CODECS = [("full", "float16"), ("full", "float32"), ("topk:5", "float16"), ("top
 BYTES_CLASSES = (100, 1000)
 
 
-def log(msg):
-    print(f"[bench.store {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+log = make_log("bench.store")
 
 
 # -- helpers ------------------------------------------------------------------------------------
@@ -111,72 +111,6 @@ def timed_rounds(sides, repeats):
             finally:
                 gc.enable()
     return times
-
-
-def verdict(value, floor, higher_is_better=True):
-    ok = value >= floor if higher_is_better else value <= floor
-    return "PASS" if ok else "MISS"
-
-
-def md_table(headers, rows):
-    cells = [[str(x) for x in r] for r in rows]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
-    line = lambda r: "| " + " | ".join(x.ljust(w) for x, w in zip(r, widths)) + " |"  # noqa: E731
-    return "\n".join([line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
-                     + [line(r) for r in cells])
-
-
-def rate(x):
-    """Rows per second, human-readable."""
-    if x >= 1e6:
-        return f"{x / 1e6:.2f}M"
-    if x >= 1e3:
-        return f"{x / 1e3:.1f}k"
-    return f"{x:.0f}"
-
-
-def machine(mxnet=False, omp_num_threads=None):
-    """What the figures were measured on. mxnet=True adds MXNet's version (read from its package
-    metadata: this process need not import it); omp_num_threads: what the MXNet children run with."""
-    model = ""
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return {
-        "cpus": os.cpu_count(),
-        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_model": model,
-        "machine": platform.machine(),
-        "system": f"{platform.system()} {platform.release()}",
-        "python": platform.python_version(),
-        "numpy": np.__version__,
-        "h5py": h5py.__version__,
-        "hdf5": h5py.version.hdf5_version,
-        "omp_num_threads": str(omp_num_threads) if omp_num_threads else os.environ.get("OMP_NUM_THREADS"),
-        **({"mxnet": _mxnet_version()} if mxnet else {}),
-    }
-
-
-def _mxnet_version():
-    try:
-        from importlib.metadata import version
-        return version("mxnet")
-    except Exception:  # the report still names everything else
-        return "?"
-
-
-def machine_line(m):
-    cpu = f"{m['cpu_model']}, " if m["cpu_model"] else ""
-    return (f"machine: {m['cpus']} CPUs ({m['cpus_usable']} usable), {cpu}{m['processor']}/{m['machine']}, "
-            f"{m['system']}, Python {m['python']}, numpy {m['numpy']}, h5py {m['h5py']} "
-            f"(HDF5 {m['hdf5']}), OMP_NUM_THREADS={m['omp_num_threads']}"
-            + (f", MXNet {m['mxnet']}" if "mxnet" in m else ""))
 
 
 # -- 1. gather vs numpy -----------------------------------------------------------------------
@@ -437,11 +371,10 @@ def bench_out_of_core(p, gather_ctx):
 # -- main ---------------------------------------------------------------------------------------
 VISIBILITY_WRITER = """
 import sys, time, numpy as np
-sys.path.insert(0, sys.argv[1])
 from store import CacheSpec, CacheWriter
-spec = CacheSpec(num_samples=int(sys.argv[3]), num_classes=8, dtype="float32", inputs={"bench": "visibility"})
-t0 = float(sys.argv[4])
-with CacheWriter(sys.argv[2], spec) as w:
+spec = CacheSpec(num_samples=int(sys.argv[2]), num_classes=8, dtype="float32", inputs={"bench": "visibility"})
+t0 = float(sys.argv[3])
+with CacheWriter(sys.argv[1], spec) as w:
     for i in range(spec.num_samples):
         row = np.zeros((1, 8), np.float32)
         row[0, 0] = time.time() - t0  # when this row was handed to the writer
@@ -452,23 +385,25 @@ with CacheWriter(sys.argv[2], spec) as w:
 
 def bench_visibility(root, p):
     """How soon a row a producer process commits is visible to a reader in this process."""
-    import subprocess
     n = p.get("visibility_rows", 200)
     spec = CacheSpec(num_samples=n, num_classes=8, dtype="float32", inputs={"bench": "visibility"})
     path = path_for(os.path.join(root, "visibility"), spec.fingerprint)
     t0 = time.time()
-    root_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.Popen([sys.executable, "-c", VISIBILITY_WRITER, root_dir, path, str(n), repr(t0)])
+    kids = Children()
+    writer = kids.start([sys.executable, "-c", VISIBILITY_WRITER, path, str(n), repr(t0)], "visibility writer",
+                        timeout=300)
     lat = []
+    deadline = time.monotonic() + 120
     try:
         while True:
             try:
                 reader = CacheReader(path, spec=spec)
                 break
             except CacheNotFoundError:
+                if time.monotonic() > deadline:
+                    raise
                 time.sleep(0.001)
         seen = np.zeros(n, dtype=bool)
-        deadline = time.monotonic() + 120
         while not seen.all() and time.monotonic() < deadline:
             reader.refresh()
             new = np.flatnonzero(reader._done & ~seen)
@@ -479,8 +414,10 @@ def bench_visibility(root, p):
             else:
                 time.sleep(0.0002)
         reader.close()
-    finally:
-        proc.wait(timeout=60)
+    except BaseException:
+        kids.stop_all()
+        raise
+    kids.finish(writer, json_line=False)
     lat_ms = np.array(lat) * 1000
     res = {"rows": int(lat_ms.size), "median_ms": float(np.median(lat_ms)), "p95_ms": float(np.percentile(lat_ms, 95)),
            "max_ms": float(lat_ms.max())}
@@ -510,9 +447,7 @@ def main(argv=None):
     rng = np.random.default_rng(args.seed)
     m = machine()
     t_start = time.perf_counter()
-    if args.tmp:
-        os.makedirs(args.tmp, exist_ok=True)
-    root = tempfile.mkdtemp(prefix="kdcache-bench-store-", dir=args.tmp)
+    root = scratch_dir(args.tmp, "kdcache-bench-store-")
     sections = []
     try:
         log(f"{'quick' if args.quick else 'full'} run, temp dir {root}")
@@ -577,38 +512,22 @@ def main(argv=None):
         "sections": {"gather_vs_numpy": r1, "gather_vs_per_sample_files": r2, "write_order": r3,
                      "bytes_per_row": r4, "out_of_core": r5, "visibility": r6},
         "machine": m,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": utc_now(),
         "quick": bool(args.quick),
         "seed": args.seed,
         "runtime_s": runtime,
     }
 
-    print(f"# kdcache store benchmark ({'quick' if args.quick else 'full'} run, {runtime:.0f} s)\n")
+    print(heading("kdcache store benchmark", args.quick, runtime))
     print(machine_line(m) + "\n")
     for title, table, note in sections:
-        print(f"## {title}\n\n{table}\n\n{note}\n")
-    missed = [k for k, v in verdicts.items() if v != "PASS"]
-    print("All floors met." if not missed else f"Floors missed: {', '.join(missed)}.")
+        print(section(title, table, note))
+    print(floors_line([k for k, v in verdicts.items() if v != "PASS"]))
 
     write_report(args.out, report)
     print(f"Report: {args.out}")
     return 0
 
-
-def write_report(path, report):
-    """The JSON report, written under a temporary name and renamed into place (every bench)."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(report, fh, indent=1, default=_json_default)
-        fh.write("\n")
-    os.replace(tmp, path)
-
-
-def _json_default(x):
-    if isinstance(x, np.generic):
-        return x.item()
-    raise TypeError(f"{type(x).__name__} is not JSON serializable")
 
 
 if __name__ == "__main__":

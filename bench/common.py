@@ -1,0 +1,430 @@
+"""What every benchmark shares: the machine, tables and verdicts, JSON reports, child processes, CPU and memory."""
+import datetime
+import json
+import os
+import platform
+import resource
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+# No numpy or h5py at module level: a benchmark imports this module before it fixes its threads,
+# and numpy's BLAS reads the thread count once, when it loads.
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+BUSY_CORES = 0.25  # other processes' average CPU use above which a report warns
+
+
+class BenchError(RuntimeError):
+    """A step of a benchmark failed; the message names it and quotes the tool's error."""
+
+
+def make_log(name):
+    """log(msg): progress on stderr, so that stdout holds only the report's tables."""
+    def log(msg):
+        print(f"[{name} {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+    return log
+
+
+# -- threads and the environment of child processes ----------------------------------------------
+def limit_threads(env, threads=1, *, force=True):
+    """Fix the BLAS/OpenMP thread counts in env: os.environ before numpy or MXNet loads (both read
+    them once, at import; OMP_NUM_THREADS is the only knob that limits MXNet's compute threads), or
+    a child's environment. force=False keeps a count the user set."""
+    for var in THREAD_VARS:
+        if force:
+            env[var] = str(threads)
+        else:
+            env.setdefault(var, str(threads))
+    env.setdefault("MXNET_SUBGRAPH_VERBOSE", "0")
+    return env
+
+
+def child_env(threads=1, **extra):
+    """The environment of every child process: `threads` compute threads, none of the variables
+    that would change what a tool does behind the options it is given, then `extra`."""
+    env = dict(os.environ)
+    # Until the project is installed (pip install -e .) children find its packages through
+    # PYTHONPATH. This is the one place it is set: drop it here once installing is the rule.
+    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    limit_threads(env, threads)
+    for var in ("KDCACHE_TEACHER_THREADS", "KDCACHE_DIR", "MXNET_CPU_WORKER_NTHREADS"):
+        env.pop(var, None)
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def python_m(module, *args):
+    """argv of `python -m module args...` with this interpreter."""
+    return [sys.executable, "-m", module, *map(str, args)]
+
+
+def last_json(stdout, what):
+    """The last line of an output that is a JSON object: a child's result, after any progress lines."""
+    for line in reversed(stdout.strip().splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    raise BenchError(f"bench: {what} printed no JSON line; its output ended with:\n{stdout[-2000:]}")
+
+
+# -- running child processes -----------------------------------------------------------------------
+class _Child:
+    """One started process and what finish() needs to measure it."""
+
+    def __init__(self, what, argv, out, err, timeout):
+        self.what, self.argv, self.out, self.err, self.timeout = what, argv, out, err, timeout
+        self.proc = self.poller = self.timer = None
+        self.timed_out = False
+        self.snapshot, self.load0 = cpu_snapshot(), os.getloadavg()
+        self.launched, self.t0 = time.time(), time.perf_counter()
+
+    def output(self):
+        """(stdout, stderr) of the finished process; closes its files."""
+        texts = []
+        for fh in (self.out, self.err):
+            fh.seek(0)
+            texts.append(fh.read())
+            fh.close()
+        return texts
+
+    def halt(self):
+        """Stop the timer and the memory sampler (before the process is reaped or killed)."""
+        self.timer.cancel()
+        if self.poller is not None:
+            self.poller.stop()
+
+
+class Children:
+    """The processes a benchmark starts. Each runs in a session of its own, so that its timeout or
+    stop_all() stops it together with what it started, by its own process group (never by name)."""
+
+    def __init__(self):
+        self.live = {}  # pid -> _Child, until reaped
+
+    def start(self, argv, what, *, env=None, cwd=ROOT, log_dir=None, rss=None, timeout=900):
+        """Start argv with child_env() unless env is given. Its output goes to log_dir/<what>.out
+        and .err when log_dir is given (kept for inspection), else to unnamed temporary files.
+        rss: PeakPoller's keyword arguments, to sample the peak memory of the process tree."""
+        if log_dir:
+            tag = what.replace(" ", "_").replace("/", "_")
+            out, err = (open(os.path.join(log_dir, tag + ext), "w+") for ext in (".out", ".err"))
+        else:
+            out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        c = _Child(what, argv, out, err, timeout)
+        try:
+            c.proc = subprocess.Popen(argv, cwd=cwd, env=child_env() if env is None else env, stdout=out,
+                                      stderr=err, start_new_session=True)
+        except BaseException:
+            c.output()
+            raise
+        self.live[c.proc.pid] = c
+        if rss is not None:
+            c.poller = PeakPoller(c.proc.pid, **rss)
+            c.poller.start()
+        c.timer = threading.Timer(timeout, self._time_out, args=(c,))
+        c.timer.daemon = True
+        c.timer.start()
+        return c
+
+    def finish(self, c, *, json_line=True):
+        """Wait for a started child. Returns its last JSON line (json_line; else {}) with the
+        measurements added: _wall_s, _launched (time.time() at the start), _cpu (cpu_between, plus
+        the CPU time of its process tree per wall second and the 1-minute load average at both ends)
+        and, when sampled, _peak_rss_mib. Raises BenchError if it failed or ran over its timeout."""
+        try:
+            _, status, ru = os.wait4(c.proc.pid, 0)  # not Popen.wait(): wait4 also gives the tree's CPU time
+        finally:
+            c.halt()
+        del self.live[c.proc.pid]
+        c.proc.returncode = os.waitstatus_to_exitcode(status)
+        wall = time.perf_counter() - c.t0
+        cpu = cpu_between(c.snapshot, cpu_snapshot())
+        stdout, stderr = c.output()
+        if c.proc.returncode != 0:
+            why = f"ran over {c.timeout} s and was stopped" if c.timed_out else f"exited with {c.proc.returncode}"
+            raise BenchError(f"bench: {c.what} {why}: {' '.join(map(str, c.argv))}\n{stderr[-3000:]}")
+        res = last_json(stdout, c.what) if json_line else {}
+        res["_wall_s"] = wall
+        res["_launched"] = c.launched
+        res["_cpu"] = {**cpu, "tree_cores": (ru.ru_utime + ru.ru_stime) / wall if wall else None,
+                       "loadavg_1m_start": round(c.load0[0], 2), "loadavg_1m_end": round(os.getloadavg()[0], 2)}
+        if c.poller is not None:
+            res["_peak_rss_mib"] = c.poller.peaks_mib()
+        return res
+
+    def run(self, argv, what, *, json_line=True, **kw):
+        """start() then finish()."""
+        return self.finish(self.start(argv, what, **kw), json_line=json_line)
+
+    def stop_all(self):
+        """Kill every child not yet reaped, with what it started, and reap it."""
+        for c in list(self.live.values()):
+            c.halt()
+            _kill_group(c.proc.pid)
+            c.proc.wait()
+            c.output()
+        self.live.clear()
+
+    @staticmethod
+    def _time_out(c):
+        c.timed_out = True
+        _kill_group(c.proc.pid)
+
+
+def _kill_group(pid):
+    try:
+        os.killpg(pid, signal.SIGKILL)  # the child's own session: it and what it started
+    except OSError:
+        pass
+
+
+# -- how busy the machine was ----------------------------------------------------------------------
+_CLK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def cpu_snapshot():
+    """(time, busy CPU s of the machine, steal s, CPU s of this process and its reaped children)."""
+    try:
+        with open("/proc/stat") as fh:
+            f = [int(v) for v in fh.readline().split()[1:]]
+        busy, steal = (f[0] + f[1] + f[2] + f[5] + f[6]) / _CLK, (f[7] if len(f) > 7 else 0) / _CLK
+    except (OSError, ValueError, IndexError):
+        return None
+    own = sum(getattr(resource.getrusage(w), a) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+              for a in ("ru_utime", "ru_stime"))
+    return time.perf_counter(), busy, steal, own
+
+
+def cpu_between(a, b):
+    """Average cores this benchmark's processes used, cores other processes used, and steal."""
+    if a is None or b is None or b[0] <= a[0]:
+        return {"own_cores": None, "other_cores": None, "steal_cores": None}
+    wall = b[0] - a[0]
+    own = b[3] - a[3]
+    return {"own_cores": own / wall, "other_cores": max(0.0, (b[1] - a[1]) - own) / wall,
+            "steal_cores": (b[2] - a[2]) / wall}
+
+
+def busy_warning(worst, during):
+    """The warning a report prints when other processes kept more than BUSY_CORES busy ("" if not)."""
+    if worst is None or worst <= BUSY_CORES:
+        return ""
+    return (f"Warning: other processes kept up to {worst:.2f} of {os.cpu_count()} cores busy on average during "
+            f"{during}; its figures understate this machine.\n")
+
+
+# -- peak memory -------------------------------------------------------------------------------------
+def _ppid_map():
+    out = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as fh:
+                    s = fh.read()
+                out[int(d)] = int(s[s.rindex(")") + 2:].split()[1])
+            except (OSError, ValueError, IndexError):
+                pass
+    return out
+
+
+def _status_kib(pid, field):
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+class PeakPoller(threading.Thread):
+    """Every `every` s, the peak resident set (VmHWM) of a process and of each of its descendants,
+    kept per role: `role` for the process itself; for a descendant, the first of `roles`
+    ({role: word}) whose word its command line holds, else "other"."""
+
+    def __init__(self, pid, role="main", roles=None, every=0.2):
+        super().__init__(daemon=True)
+        self.pid, self.role, self.words, self.every = pid, role, dict(roles or {}), every
+        self.peak_kib, self.roles = {}, {}
+        self._halt = threading.Event()
+
+    def run(self):
+        while not self._halt.is_set():
+            self.sample()
+            self._halt.wait(self.every)
+
+    def role_of(self, pid):
+        if pid == self.pid:
+            return self.role
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                cmd = fh.read()
+        except OSError:
+            return None
+        return next((r for r, word in self.words.items() if word.encode() in cmd), "other")
+
+    def sample(self):
+        parents = _ppid_map()
+        family, frontier = {self.pid}, [self.pid]
+        while frontier:
+            kids = [p for p, pp in parents.items() if pp in frontier and p not in family]
+            family.update(kids)
+            frontier = kids
+        for pid in family:
+            hwm = _status_kib(pid, "VmHWM") or _status_kib(pid, "VmRSS")
+            if hwm is None:
+                continue
+            if self.roles.get(pid, "other") == "other":  # again until exec'd: a fork shows its parent's cmdline
+                role = self.role_of(pid)
+                if role is None:
+                    continue
+                if role != self.roles.get(pid, role):
+                    self.peak_kib.pop(pid, None)  # exec'd: the fork's pages were its parent's
+                self.roles[pid] = role
+            self.peak_kib[pid] = max(self.peak_kib.get(pid, 0), hwm)
+
+    def stop(self):
+        self._halt.set()
+        if self.is_alive():
+            self.join()
+
+    def peaks_mib(self):
+        out = {}
+        for pid, kib in self.peak_kib.items():
+            role = self.roles[pid]
+            out[role] = max(out.get(role, 0.0), kib / 1024)
+        return {k: round(v, 1) for k, v in out.items()}
+
+
+# -- statistics --------------------------------------------------------------------------------------
+def spread(values):
+    """Centre and spread of repeated measurements (None ones, not measured, left out): n, mean,
+    median, std (0.0 for one value), min and max; None for each when nothing was measured."""
+    v = [x for x in values if x is not None]
+    if not v:
+        return {"n": 0, "mean": None, "median": None, "std": None, "min": None, "max": None}
+    return {"n": len(v), "mean": statistics.fmean(v), "median": statistics.median(v),
+            "std": statistics.stdev(v) if len(v) > 1 else 0.0, "min": min(v), "max": max(v)}
+
+
+# -- the machine ---------------------------------------------------------------------------------------
+def machine(mxnet=False, omp_num_threads=None):
+    """What the figures were measured on. mxnet=True adds MXNet's version (read from its package
+    metadata: this process need not import it); omp_num_threads: what the MXNet children run with."""
+    import h5py
+    import numpy as np
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {
+        "cpus": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_model": model,
+        "machine": platform.machine(),
+        "system": f"{platform.system()} {platform.release()}",
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "h5py": h5py.__version__,
+        "hdf5": h5py.version.hdf5_version,
+        "omp_num_threads": str(omp_num_threads) if omp_num_threads else os.environ.get("OMP_NUM_THREADS"),
+        **({"mxnet": _mxnet_version()} if mxnet else {}),
+    }
+
+
+def _mxnet_version():
+    try:
+        from importlib.metadata import version
+        return version("mxnet")
+    except Exception:  # the report still names everything else
+        return "?"
+
+
+def machine_line(m):
+    cpu = f"{m['cpu_model']}, " if m["cpu_model"] else ""
+    return (f"machine: {m['cpus']} CPUs ({m['cpus_usable']} usable), {cpu}{m['processor']}/{m['machine']}, "
+            f"{m['system']}, Python {m['python']}, numpy {m['numpy']}, h5py {m['h5py']} "
+            f"(HDF5 {m['hdf5']}), OMP_NUM_THREADS={m['omp_num_threads']}"
+            + (f", MXNet {m['mxnet']}" if "mxnet" in m else ""))
+
+
+# -- what a report prints --------------------------------------------------------------------------------
+def md_table(headers, rows, pad=True):
+    """A markdown table; pad=False leaves the cells unaligned (an empty cell is then one space)."""
+    cells = [[str(x) for x in r] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if pad else 1 for i, h in enumerate(headers)]
+
+    def line(r):
+        texts = [x.ljust(w) if pad else x for x, w in zip(r, widths)]
+        return "|" + "|".join(f" {t} " if t else " " for t in texts) + "|"
+    return "\n".join([line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+                     + [line(r) for r in cells])
+
+
+def rate(x):
+    """Rows per second, human-readable."""
+    if x >= 1e6:
+        return f"{x / 1e6:.2f}M"
+    if x >= 1e3:
+        return f"{x / 1e3:.1f}k"
+    return f"{x:.0f}"
+
+
+def verdict(value, floor, higher_is_better=True):
+    ok = value >= floor if higher_is_better else value <= floor
+    return "PASS" if ok else "MISS"
+
+
+def floors_line(missed):
+    return "All floors met." if not missed else f"Floors missed: {', '.join(missed)}."
+
+
+def heading(title, quick, runtime_s):
+    return f"# {title} ({'quick' if quick else 'full'} run, {runtime_s:.0f} s)\n"
+
+
+def section(title, table, note):
+    return f"## {title}\n\n{table}\n\n{note}\n"
+
+
+# -- where a run writes ------------------------------------------------------------------------------------
+def scratch_dir(tmp, prefix):
+    """A new directory for a run's temporary files, in tmp (created if need be) or the system's;
+    absolute, since children run in other directories."""
+    if tmp:
+        os.makedirs(tmp, exist_ok=True)
+    return os.path.abspath(tempfile.mkdtemp(prefix=prefix, dir=tmp))
+
+
+def utc_now():
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def write_report(path, report):
+    """The JSON report, written under a temporary name and renamed into place."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(report, fh, indent=1, default=_json_default)
+        fh.write("\n")
+    os.replace(tmp, path)
+
+
+def _json_default(x):
+    import numpy as np
+    if isinstance(x, np.generic):
+        return x.item()
+    raise TypeError(f"{type(x).__name__} is not JSON serializable")

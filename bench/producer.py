@@ -32,19 +32,18 @@ if __package__ in (None, ""):  # run as a file: import the repo's packages, not 
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import argparse  # noqa: E402
-import datetime  # noqa: E402
 import json  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from bench.common import machine, machine_line, md_table, rate, verdict, write_report  # noqa: E402
+from bench.common import (Children, busy_warning, cpu_between, cpu_snapshot, floors_line, heading,  # noqa: E402
+                          machine, machine_line, make_log, md_table, python_m, rate, scratch_dir, section,
+                          spread, utc_now, verdict, write_report)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUT = os.path.join("bench", "results", "producer.json")
 THREADS = 1
 CLASSES = 10
@@ -57,13 +56,10 @@ TEACHER_WIDTHS = (32, 32, 64, 64)  # ~30 ms per forward of 128 images on one thr
 FULL = dict(n=8000, shard_n=160000, batch=128, overhead_repeats=3, shard_repeats=3)
 QUICK = dict(n=3000, shard_n=3000, batch=128, overhead_repeats=3, shard_repeats=1)
 
-BUSY_CORES = 0.25  # other processes' average CPU use above which the report warns
-
 FLOORS = {"producer_vs_bare_forward": 0.9, "two_shards_vs_one": 1.6, "two_shards_vs_one_aggregate": 1.6}
 
 
-def log(msg):
-    print(f"[bench.producer {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+log = make_log("bench.producer")
 
 
 # -- children (each its own process, OMP_NUM_THREADS fixed by the parent) ----------------------
@@ -122,66 +118,18 @@ def child_bare(prefix, dataset_arg, batch):
 
 
 # -- the parent: runs children, compares ---------------------------------------------------------
-def child_env():
-    env = dict(os.environ)
-    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-        env[var] = str(THREADS)
-    env.pop("KDCACHE_TEACHER_THREADS", None)
-    env.setdefault("MXNET_SUBGRAPH_VERBOSE", "0")
-    env["PYTHONDONTWRITEBYTECODE"] = "1"
-    return env
-
-
-def last_json(stdout, what):
-    for line in reversed(stdout.strip().splitlines()):
-        if line.startswith("{"):
-            return json.loads(line)
-    raise RuntimeError(f"bench: {what} printed no JSON line; its output ended with:\n{stdout[-2000:]}")
-
-
-class Children:
-    """Processes this benchmark started; all are stopped (by their own pid) if it fails."""
-
-    def __init__(self):
-        self.procs = []
-
-    def start(self, argv):
-        p = subprocess.Popen(argv, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True)
-        self.procs.append(p)
-        return p
-
-    def finish(self, p, what, timeout=600):
-        out, err = p.communicate(timeout=timeout)
-        self.procs.remove(p)
-        if p.returncode != 0:
-            raise RuntimeError(f"bench: {what} exited with {p.returncode}:\n{err[-3000:]}")
-        return last_json(out, what)
-
-    def run(self, argv, what):
-        return self.finish(self.start(argv), what)
-
-    def stop_all(self):
-        for p in self.procs:
-            if p.poll() is None:
-                p.kill()
-            p.communicate()
-        self.procs.clear()
-
-
 def producer_argv(prefix, dataset_arg, cache_dir, batch, shard="0/1", shards=None):
     """dataset_arg: a --dataset value, or an .npz path (a data set on disk, as users' are)."""
     data = ["--dataset", "npz", "--data-root", dataset_arg] if dataset_arg.endswith(".npz") else \
         ["--dataset", dataset_arg]
-    return [sys.executable, "-m", "cache_builder", "--teacher", prefix, *data,
-            "--cache-dir", cache_dir, "--batch-size", str(batch), "--threads", str(THREADS),
-            *(["--shards", str(shards)] if shards else ["--shard", shard]), "--json", "--quiet"]
+    return python_m("cache_builder", "--teacher", prefix, *data, "--cache-dir", cache_dir, "--batch-size", batch,
+                    "--threads", THREADS, *(["--shards", shards] if shards else ["--shard", shard]), "--json",
+                    "--quiet")
 
 
 def bare_argv(prefix, dataset_arg, batch):
-    return [sys.executable, "-m", "bench.producer", "--child", "bare", "--teacher", prefix,
-            "--dataset", dataset_arg, "--batch-size", str(batch)]
+    return python_m("bench.producer", "--child", "bare", "--teacher", prefix, "--dataset", dataset_arg,
+                    "--batch-size", batch)
 
 
 def read_cache(path):
@@ -217,38 +165,9 @@ def fresh_dir(root, tag):
 
 
 # -- how busy the machine was -------------------------------------------------------------------
-_CLK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-def cpu_snapshot():
-    """(time, busy CPU s of the machine, steal s, CPU s of this process and its reaped children)."""
-    import resource
-    try:
-        with open("/proc/stat") as fh:
-            f = [int(v) for v in fh.readline().split()[1:]]
-        busy, steal = (f[0] + f[1] + f[2] + f[5] + f[6]) / _CLK, (f[7] if len(f) > 7 else 0) / _CLK
-    except (OSError, ValueError, IndexError):
-        return None
-    own = sum(getattr(resource.getrusage(w), a) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
-              for a in ("ru_utime", "ru_stime"))
-    return time.perf_counter(), busy, steal, own
-
-
-def cpu_between(a, b):
-    """Average cores this benchmark's processes used, cores other processes used, and steal."""
-    if a is None or b is None or b[0] <= a[0]:
-        return {"own_cores": None, "other_cores": None, "steal_cores": None}
-    wall = b[0] - a[0]
-    own = b[3] - a[3]
-    return {"own_cores": own / wall, "other_cores": max(0.0, (b[1] - a[1]) - own) / wall,
-            "steal_cores": (b[2] - a[2]) / wall}
-
-
 def busy_summary(runs):
-    vals = [r["cpu"]["other_cores"] for r in runs if r["cpu"]["other_cores"] is not None]
-    if not vals:
-        return {"other_cores_mean": None, "other_cores_max": None}
-    return {"other_cores_mean": statistics.mean(vals), "other_cores_max": max(vals)}
+    s = spread(r["cpu"]["other_cores"] for r in runs)
+    return {"other_cores_mean": s["mean"], "other_cores_max": s["max"]}
 
 
 def busy_text(summary):
@@ -266,7 +185,6 @@ def bench_overhead(root, kids, prefix, dataset_arg, p):
     for r in range(p["overhead_repeats"]):
         order = ["bare", "producer"] if r % 2 == 0 else ["producer", "bare"]
         for side in order:
-            s0 = cpu_snapshot()
             if side == "bare":
                 res = kids.run(bare_argv(prefix, dataset_arg, batch), "bare teacher forward")
             else:
@@ -276,12 +194,12 @@ def bench_overhead(root, kids, prefix, dataset_arg, p):
                     raise RuntimeError(f"bench: the producer did not fill the cache: {res}")
                 cache_bytes = os.path.getsize(res["cache_path"])
                 shutil.rmtree(d)
-            res["cpu"] = cpu_between(s0, cpu_snapshot())
+            res["cpu"] = res["_cpu"]
             runs[side].append(res)
             log(f"  {side}: {res['rows_per_s']:.0f} rows/s (other processes: "
                 f"{res['cpu']['other_cores'] or 0:.2f} cores)")
-    best = {k: max(x["rows_per_s"] for x in v) for k, v in runs.items()}
-    med = {k: statistics.median(x["rows_per_s"] for x in v) for k, v in runs.items()}
+    rps = {k: spread(x["rows_per_s"] for x in v) for k, v in runs.items()}
+    best, med = {k: s["max"] for k, s in rps.items()}, {k: s["median"] for k, s in rps.items()}
     ratio = best["producer"] / best["bare"]
     ratio_med = med["producer"] / med["bare"]
     # Within one producer run: teacher_s is make_views + forward inside its loop; the rest of the
@@ -336,31 +254,25 @@ def bench_shards(root, kids, prefix, dataset_arg, p):
         d1, d2, d3 = fresh_dir(root, "one"), fresh_dir(root, "two"), fresh_dir(root, "forked")
         try:
             def one():
-                s0 = cpu_snapshot()
-                t0 = time.perf_counter()
                 res = kids.run(producer_argv(prefix, dataset_arg, d1, batch), "one producer")
-                wall = time.perf_counter() - t0
-                one_runs.append({"wall_s": wall, "rows_per_s": res["rows_per_s"],
-                                 "cpu": cpu_between(s0, cpu_snapshot())})
+                one_runs.append({"wall_s": res["_wall_s"], "rows_per_s": res["rows_per_s"], "cpu": res["_cpu"]})
                 return res
 
             def two():
                 s0 = cpu_snapshot()
                 t0 = time.perf_counter()
-                procs = [kids.start(producer_argv(prefix, dataset_arg, d2, batch, f"{i}/2")) for i in range(2)]
-                res = [kids.finish(pr, f"producer shard {i}/2") for i, pr in enumerate(procs)]
+                procs = [kids.start(producer_argv(prefix, dataset_arg, d2, batch, f"{i}/2"), f"producer shard {i}/2")
+                         for i in range(2)]
+                res = [kids.finish(pr) for pr in procs]
                 wall = time.perf_counter() - t0
                 two_runs.append({"wall_s": wall, "rows_per_s": [x["rows_per_s"] for x in res],
                                  "seconds": [x["seconds"] for x in res], "cpu": cpu_between(s0, cpu_snapshot())})
                 return res
 
             def forked():  # one command, --shards 2: one start-up, two forked shard processes
-                s0 = cpu_snapshot()
-                t0 = time.perf_counter()
                 res = kids.run(producer_argv(prefix, dataset_arg, d3, batch, shards=2), "producer --shards 2")
-                wall = time.perf_counter() - t0
-                forked_runs.append({"wall_s": wall, "rows_per_s": res["rows_per_s"], "complete": res["complete"],
-                                    "cpu": cpu_between(s0, cpu_snapshot())})
+                forked_runs.append({"wall_s": res["_wall_s"], "rows_per_s": res["rows_per_s"],
+                                    "complete": res["complete"], "cpu": res["_cpu"]})
                 return res
 
             if r % 2 == 0:
@@ -469,17 +381,14 @@ def main(argv=None):
     dataset_arg = f"synthetic:n={p['n']},classes={CLASSES},shape={SHAPE}"
     m = machine(mxnet=True, omp_num_threads=THREADS)  # what every MXNet child runs with
     t_start = time.perf_counter()
-    if args.tmp:
-        os.makedirs(args.tmp, exist_ok=True)
-    root = tempfile.mkdtemp(prefix="kdcache-bench-producer-", dir=args.tmp)
+    root = scratch_dir(args.tmp, "kdcache-bench-producer-")
     kids = Children()
     sections = []
     try:
         log(f"{'quick' if args.quick else 'full'} run, {dataset_arg}, temp dir {root}")
         prefix = os.path.join(root, "teacher", "benchteacher")
         os.makedirs(os.path.dirname(prefix))
-        teacher = kids.run([sys.executable, "-m", "bench.producer", "--child", "export", "--teacher", prefix],
-                           "teacher export")
+        teacher = kids.run(python_m("bench.producer", "--child", "export", "--teacher", prefix), "teacher export")
         log("1/2 producer vs bare teacher forward")
         r1, t1, n1 = bench_overhead(root, kids, prefix, dataset_arg, p)
         sections.append(("1. Producer vs bare teacher forward (1 thread each)", t1, n1))
@@ -533,28 +442,27 @@ def main(argv=None):
         "dataset": dataset_arg,
         "shard_dataset": f"npz of synthetic:n={p['shard_n']},classes={CLASSES},shape={SHAPE} (uint8 NHWC)",
         "machine": m,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": utc_now(),
         "quick": bool(args.quick),
         "runtime_s": runtime,
     }
 
-    print(f"# kdcache producer benchmark ({'quick' if args.quick else 'full'} run, {runtime:.0f} s)\n")
+    print(heading("kdcache producer benchmark", args.quick, runtime))
     print(machine_line(m) + "\n")
     for title, table, note in sections:
-        print(f"## {title}\n\n{table}\n\n{note}\n")
-    others = [v for v in (r1["other_cores_mean"], r2["other_cores_mean"]) if v is not None]
-    if others and max(others) > BUSY_CORES:
-        print(f"Warning: other processes kept {max(others):.2f} of {os.cpu_count()} cores busy on average during "
-              f"a section; the figures understate this machine (section 2 most: it needs both cores).\n")
+        print(section(title, table, note))
+    warning = busy_warning(spread([r1["other_cores_mean"], r2["other_cores_mean"]])["max"],
+                           "a section (section 2 the most: it needs both cores)")
+    if warning:
+        print(warning)
     missed = [k for k, v in verdicts.items() if v != "PASS"]
     if not r2["two_shard_cache_equal"]:
         missed.append("two_shard_cache_equal")
-    print("All floors met." if not missed else f"Floors missed: {', '.join(missed)}.")
+    print(floors_line(missed))
 
     write_report(args.out, report)
     print(f"Report: {args.out}")
     return 0
-
 
 
 if __name__ == "__main__":

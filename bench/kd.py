@@ -148,7 +148,8 @@ def teacher_alone(prefix, dataset_arg, cache_dir):
     its rows/s, start-up excluded."""
     from cache_builder.produce import produce_offline
     from pipeline.augment import Augment
-    from pipeline.cachespec import build_spec, teacher_identity
+    from pipeline.cachespec import build_spec
+    from pipeline.checkpoint import teacher_identity
     from pipeline.datasets import load_dataset
     from pipeline.teacher import Teacher
     from store import CacheWriter, path_for
@@ -171,7 +172,8 @@ def test_split_cache(prefix, dataset_arg, cache_dir):
     trainer looks up (trainer/train.py: build_spec(teacher, test, codec="full", dtype="float32")).
     Copied into each fresh cache directory before a run; otherwise the trainer would start a second
     producer for it, a third MXNet process on two cores, while it trains."""
-    from pipeline.cachespec import build_spec, teacher_identity
+    from pipeline.cachespec import build_spec
+    from pipeline.checkpoint import teacher_identity
     from pipeline.datasets import load_dataset
     from pipeline.teacher import Teacher
     from store import CacheWriter, path_for

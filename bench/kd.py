@@ -43,23 +43,18 @@ if __package__ in (None, ""):  # run as a file: import the repo's packages, not 
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import argparse  # noqa: E402
-import datetime  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import shutil  # noqa: E402
-import signal  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import threading  # noqa: E402
 import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from bench.producer import cpu_between, cpu_snapshot, last_json  # noqa: E402
-from bench.common import machine, machine_line, md_table, verdict, write_report  # noqa: E402
+from bench.common import (ROOT, Children, busy_warning, child_env, floors_line, heading, machine,  # noqa: E402
+                          machine_line, make_log, md_table, python_m, scratch_dir, spread, utc_now, verdict,
+                          write_report)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUT = os.path.join("bench", "results", "kd.json")
 PNG_NAME = "kd_online.png"
 CLASSES = 10
@@ -85,11 +80,10 @@ ORDER = ["online", "warm", "student_only", "ring", "inline", "inline_async", "in
 FLOORS = {"warm_vs_student_only": 0.97,           # warm samples/s >= 0.97 x student_only samples/s
           "epoch1_vs_slowest_stage": 1.10,        # online/ring epoch 1 <= 1.10 x max(teacher alone, student alone)
           "vs_inline_heavy": 1.5}                 # online/ring samples/s >= 1.5 x inline's, heavy pair
-BUSY_CORES = 0.25  # other processes' average CPU use above which the report warns
+# Peak memory per role: the process started (the trainer) and a `cache_builder` below it.
+RSS = {"role": "trainer", "roles": {"producer": "cache_builder"}}
 
-
-def log(msg):
-    print(f"[bench.kd {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+log = make_log("bench.kd")
 
 
 # -- children: calibration and the inline_async loop (MXNet imported only here) ---------------------
@@ -351,165 +345,11 @@ def child_async(a):
                       "engine_workers": os.environ.get("MXNET_CPU_WORKER_NTHREADS", "1 (default)")}))
 
 
-# -- the parent: children, their memory, their CPU -----------------------------------------------------
-def child_env(**extra):
-    env = dict(os.environ)
-    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-        env[var] = str(THREADS)
-    for var in ("KDCACHE_TEACHER_THREADS", "KDCACHE_DIR", "MXNET_CPU_WORKER_NTHREADS"):
-        env.pop(var, None)
-    env.setdefault("MXNET_SUBGRAPH_VERBOSE", "0")
-    env["PYTHONDONTWRITEBYTECODE"] = "1"
-    env.update({k: str(v) for k, v in extra.items()})
-    return env
-
-
-def _ppid_map():
-    out = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as fh:
-                    s = fh.read()
-                out[int(d)] = int(s[s.rindex(")") + 2:].split()[1])
-            except (OSError, ValueError, IndexError):
-                pass
-    return out
-
-
-def _status_kib(pid, field):
-    try:
-        with open(f"/proc/{pid}/status") as fh:
-            for line in fh:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def _role(pid, root):
-    if pid == root:
-        return "trainer"
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as fh:
-            cmd = fh.read().split(b"\0")
-    except OSError:
-        return None
-    return "producer" if b"cache_builder" in cmd else "other"
-
-
-class PeakPoller(threading.Thread):
-    """Every 0.2 s: the peak resident set (VmHWM) of a process and of each of its descendants,
-    kept per role (trainer: the process itself; producer: a `cache_builder` descendant)."""
-
-    def __init__(self, pid, every=0.2):
-        super().__init__(daemon=True)
-        self.pid, self.every = pid, every
-        self.peak_kib, self.roles = {}, {}
-        self._halt = threading.Event()
-
-    def run(self):
-        while not self._halt.is_set():
-            self.sample()
-            self._halt.wait(self.every)
-
-    def sample(self):
-        parents = _ppid_map()
-        family, frontier = {self.pid}, [self.pid]
-        while frontier:
-            kids = [p for p, pp in parents.items() if pp in frontier and p not in family]
-            family.update(kids)
-            frontier = kids
-        for pid in family:
-            hwm = _status_kib(pid, "VmHWM") or _status_kib(pid, "VmRSS")
-            if hwm is None:
-                continue
-            if self.roles.get(pid, "other") == "other":  # again until exec'd: a fork shows its parent's cmdline
-                role = _role(pid, self.pid)
-                if role is None:
-                    continue
-                if role != self.roles.get(pid, role):
-                    self.peak_kib.pop(pid, None)  # exec'd: the fork's pages were its parent's
-                self.roles[pid] = role
-            self.peak_kib[pid] = max(self.peak_kib.get(pid, 0), hwm)
-
-    def stop(self):
-        self._halt.set()
-        self.join()
-
-    def peaks_mib(self):
-        out = {}
-        for pid, kib in self.peak_kib.items():
-            role = self.roles[pid]
-            out[role] = max(out.get(role, 0.0), kib / 1024)
-        return {k: round(v, 1) for k, v in out.items()}
-
-
-class Children:
-    """Processes this benchmark started (each in its own session); all are stopped, by their own
-    process group, if the benchmark fails."""
-
-    def __init__(self):
-        self.live = set()
-
-    def run(self, argv, what, *, env, log_dir, cwd, timeout=900):
-        """Run argv to completion; returns its last JSON line, peak RSS per role, CPU use, wall."""
-        tag = what.replace(" ", "_").replace("/", "_")
-        out_path, err_path = os.path.join(log_dir, tag + ".out"), os.path.join(log_dir, tag + ".err")
-        s0 = cpu_snapshot()
-        load0 = os.getloadavg()
-        launched = time.time()
-        t0 = time.perf_counter()
-        with open(out_path, "w") as out, open(err_path, "w") as err:
-            p = subprocess.Popen(argv, cwd=cwd, env=env, stdout=out, stderr=err, start_new_session=True)
-        self.live.add(p.pid)
-        poller = PeakPoller(p.pid)
-        poller.start()
-        timer = threading.Timer(timeout, self._kill, args=(p.pid,))
-        timer.start()
-        try:
-            _, status, ru = os.wait4(p.pid, 0)  # not p.wait(): wait4 also gives the tree's CPU time
-        finally:
-            timer.cancel()
-            poller.stop()
-        self.live.discard(p.pid)
-        p.returncode = os.waitstatus_to_exitcode(status)
-        wall = time.perf_counter() - t0
-        cpu = cpu_between(s0, cpu_snapshot())
-        with open(out_path) as fh:
-            stdout = fh.read()
-        if p.returncode != 0:
-            with open(err_path) as fh:
-                err = fh.read()
-            raise RuntimeError(f"bench: {what} exited with {p.returncode}:\n{err[-3000:]}")
-        res = last_json(stdout, what)
-        res["_peak_rss_mib"] = poller.peaks_mib()
-        res["_cpu"] = {**cpu, "tree_cores": (ru.ru_utime + ru.ru_stime) / wall if wall else None,
-                       "loadavg_1m_start": round(load0[0], 2), "loadavg_1m_end": round(os.getloadavg()[0], 2)}
-        res["_wall_s"] = wall
-        res["_launched"] = launched
-        return res
-
-    @staticmethod
-    def _kill(pid):
-        try:
-            os.killpg(pid, signal.SIGKILL)  # the child's own session: it and what it started
-        except OSError:
-            pass
-
-    def stop_all(self):
-        for pid in list(self.live):
-            self._kill(pid)
-
-
 # -- one pair ----------------------------------------------------------------------------------------------
 def trainer_argv(dataset, run_dir_root, run, epochs, *, mode, teacher=None, cache_dir=None, store=None, ctx=None):
-    argv = [sys.executable, "-m", "trainer", "--dataset", dataset, "--student", STUDENT, "--epochs", str(epochs),
-            "--batch-size", str(BATCH), "--seed", str(SEED), "--threads", str(THREADS),
-            "--producer-threads", str(THREADS), "--teacher-mode", mode, "--quiet", "--json",
-            "--runs-dir", run_dir_root, "--run", run]
+    argv = python_m("trainer", "--dataset", dataset, "--student", STUDENT, "--epochs", epochs, "--batch-size", BATCH,
+                    "--seed", SEED, "--threads", THREADS, "--producer-threads", THREADS, "--teacher-mode", mode,
+                    "--quiet", "--json", "--runs-dir", run_dir_root, "--run", run)
     if teacher:
         argv += ["--teacher", teacher]
     if cache_dir:
@@ -554,7 +394,7 @@ def run_pair(pair, prep, epochs, root, kids, ctx=None, scenarios=ORDER):
         os.makedirs(d, exist_ok=True)
     teacher = prep["pairs"][pair]["prefix"]
     dataset, steps = prep["dataset"], prep["steps_per_epoch"]
-    env = child_env()
+    env = child_env(THREADS)
     dirs = {k: os.path.join(base, "caches-" + k) for k in ("online", "ring")}
     for d in dirs.values():
         os.makedirs(d)
@@ -566,10 +406,10 @@ def run_pair(pair, prep, epochs, root, kids, ctx=None, scenarios=ORDER):
         ep = 1 if sc in ONE_EPOCH else epochs
         if sc.startswith("inline_async"):
             workers = 2 if sc == "inline_async_2w" else None
-            argv = [sys.executable, "-m", "bench.kd", "--child", "async", "--teacher", teacher, "--dataset", dataset,
-                    "--epochs", str(ep), "--batch-size", str(BATCH), "--student", STUDENT, "--ctx", ctx or "cpu"]
-            e = child_env(**({"MXNET_CPU_WORKER_NTHREADS": workers} if workers else {}))
-            res = kids.run(argv, f"{tag} {sc}", env=e, log_dir=logs, cwd=base)
+            argv = python_m("bench.kd", "--child", "async", "--teacher", teacher, "--dataset", dataset, "--epochs", ep,
+                            "--batch-size", BATCH, "--student", STUDENT, "--ctx", ctx or "cpu")
+            e = child_env(THREADS, **({"MXNET_CPU_WORKER_NTHREADS": workers} if workers else {}))
+            res = kids.run(argv, f"{tag} {sc}", env=e, log_dir=logs, cwd=base, rss=RSS)
         else:
             kw = {"student_only": dict(mode="none"),
                   "inline": dict(mode="inline", teacher=teacher),
@@ -577,7 +417,7 @@ def run_pair(pair, prep, epochs, root, kids, ctx=None, scenarios=ORDER):
                   "warm": dict(mode="cache", teacher=teacher, cache_dir=dirs["online"]),
                   "ring": dict(mode="cache", teacher=teacher, cache_dir=dirs["ring"], store="ring")}[sc]
             res = kids.run(trainer_argv(dataset, runs, run, ep, ctx=ctx, **kw), f"{tag} {sc}", env=env,
-                           log_dir=logs, cwd=base)
+                           log_dir=logs, cwd=base, rss=RSS)
             run_dir = os.path.join(runs, run)
             res["run_dir"] = run_dir
             res["history"] = (read_json(os.path.join(run_dir, "metrics.json")) or {}).get("history")
@@ -794,9 +634,7 @@ def main(argv=None):
     m = machine(mxnet=True, omp_num_threads=THREADS)  # what every MXNet child runs with
     load_start = os.getloadavg()
     t_start = time.perf_counter()
-    if args.tmp:
-        os.makedirs(args.tmp, exist_ok=True)
-    root = tempfile.mkdtemp(prefix="kdcache-bench-kd-", dir=args.tmp)
+    root = scratch_dir(args.tmp, "kdcache-bench-kd-")
     kids = Children()
     try:
         log(f"{'quick' if args.quick else 'full'} run, temp dir {root}, load average {load_start[0]:.2f} "
@@ -804,8 +642,8 @@ def main(argv=None):
         log("calibrating the teachers against the student's step, sizing the data set, timing each teacher alone "
             "(one process, 1 thread)")
         sizes = {k: p[k] for k in ("reps", "tries", "epoch_s", "min_steps", "max_steps")}
-        prep = kids.run([sys.executable, "-m", "bench.kd", "--child", "prepare", "--root", root,
-                         "--sizes", json.dumps(sizes)], "prepare", env=child_env(), log_dir=root, cwd=root)
+        prep = kids.run(python_m("bench.kd", "--child", "prepare", "--root", root, "--sizes", json.dumps(sizes)),
+                        "prepare", env=child_env(THREADS), log_dir=root, cwd=root, rss=RSS)
         n, steps, dataset, epochs = prep["n"], prep["steps_per_epoch"], prep["dataset"], p["epochs"]
         alone = prep["alone"]
         for pair, c in prep["pairs"].items():
@@ -861,7 +699,7 @@ def main(argv=None):
                      "teacher_alone_loop_s": round(alone[pair]["loop_s"], 3),
                      "teacher_alone_forward_s": round(alone[pair]["teacher_s"], 3),
                      "student_alone_epoch1_s": by[pair]["student_only"]["epoch1_s"]} for pair in TARGETS}
-    others = [r["other_processes_cores"] for r in results if r["other_processes_cores"] is not None]
+    others = spread(r["other_processes_cores"] for r in results)
     report = {
         "results": results,
         "floors": {f"{f['floor']}:{f['pair']}": f for f in fl},
@@ -875,16 +713,16 @@ def main(argv=None):
                      "inline_async_2w": {"omp_num_threads": THREADS, "mxnet_cpu_worker_nthreads": 2}},
         "gpu": gpu,
         "load": {"loadavg_start": [round(v, 2) for v in load_start], "loadavg_end": [round(v, 2) for v in load_end],
-                 "other_processes_cores_mean": round(statistics.mean(others), 3) if others else None,
-                 "other_processes_cores_max": round(max(others), 3) if others else None},
+                 "other_processes_cores_mean": _round(others["mean"]),
+                 "other_processes_cores_max": _round(others["max"])},
         "machine": m,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": utc_now(),
         "quick": bool(args.quick),
         "runtime_s": round(runtime, 1),
         "plot": os.path.relpath(png, ROOT) if os.path.abspath(png).startswith(ROOT + os.sep) else png,
     }
 
-    print(f"# kdcache KD benchmark ({'quick' if args.quick else 'full'} run, {runtime:.0f} s)\n")
+    print(heading("kdcache KD benchmark", args.quick, runtime))
     print(machine_line(m))
     print(f"load average (1/5/15 min): {' '.join(f'{v:.2f}' for v in load_start)} at the start, "
           f"{' '.join(f'{v:.2f}' for v in load_end)} at the end; other processes kept "
@@ -928,9 +766,9 @@ def main(argv=None):
           "0.2 s.\n")
     print("## Floors\n")
     print(floors_table(fl) + "\n")
-    if others and max(others) > BUSY_CORES:
-        print(f"Warning: other processes kept up to {max(others):.2f} of {os.cpu_count()} cores busy during a "
-              f"scenario; figures of that scenario understate this machine.\n")
+    warning = busy_warning(others["max"], "a scenario")
+    if warning:
+        print(warning)
     print("## GPU section\n")
     if gpu["skipped"]:
         print(f"skipped: {gpu['reason']}\n")
@@ -941,11 +779,10 @@ def main(argv=None):
             print(f"### {pair} teacher, student on gpu:0, teacher on the CPU\n")
             print(pair_table([r for r in gpu["results"] if r["pair"] == pair]) + "\n")
     missed = [f"{f['floor']} ({f['pair']})" for f in fl if f["verdict"] != "PASS"]
-    print("All floors met." if not missed else f"Floors missed: {', '.join(missed)}.")
+    print(floors_line(missed))
     write_report(args.out, report)
     print(f"Report: {args.out}\nPlot: {png}")
     return 1 if gpu.get("error") else 0
-
 
 
 if __name__ == "__main__":

@@ -26,23 +26,21 @@ other load on the machine. Full run ~4 min on one core, --quick (2 seeds, fewer 
 import os
 import sys
 
-# Before anything loads MXNet or BLAS: one compute thread here and in every child.
-os.environ["OMP_NUM_THREADS"] = "1"
-os.environ.setdefault("MXNET_SUBGRAPH_VERBOSE", "0")
 if __package__ in (None, ""):  # run as a file: import the repository's packages
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+from bench.common import limit_threads  # noqa: E402
+
+limit_threads(os.environ)  # before anything loads MXNet or BLAS: one compute thread here, as in every child
+
 import argparse  # noqa: E402
-import datetime  # noqa: E402
 import json  # noqa: E402
-import platform  # noqa: E402
 import shutil  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
 import time  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from bench.common import (BenchError, Children, heading, machine, make_log, md_table, python_m,  # noqa: E402
+                          scratch_dir, spread, utc_now, write_report)
+
 DEFAULT_OUT = os.path.join("bench", "results", "distill.json")
 
 # The setting where KD clearly helps on digits, found by measurement (5 seeds each): a strong,
@@ -59,53 +57,29 @@ ROWS = [("teacher", "teacher"), ("scratch", "student from scratch"), ("inline", 
         ("cache", "student distilled (cache)")]
 
 
-class BenchError(Exception):
-    """A step of the benchmark failed; the message names it and quotes the tool's error."""
+log = make_log("distill")
 
 
-def log(msg):
-    print(f"[distill {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def child(cmd, what, timeout):
-    """Run `python -m ...` as a child with the repository on the path; its stdout, or BenchError."""
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "OMP_NUM_THREADS": "1"}
-    t0 = time.perf_counter()
-    try:
-        r = subprocess.run([sys.executable, *cmd], cwd=ROOT, env=env, capture_output=True, text=True,
-                           timeout=timeout)
-    except subprocess.TimeoutExpired:
-        raise BenchError(f"{what} ran over {timeout} s: is the machine overloaded? ({' '.join(cmd)})") from None
-    if r.returncode != 0:
-        tail = "\n".join(r.stderr.strip().splitlines()[-8:])
-        raise BenchError(f"{what} failed (exit {r.returncode}): {' '.join(cmd)}\n{tail}")
-    return r.stdout, time.perf_counter() - t0
-
-
-def train_teacher(prefix, epochs, seed=0):
-    _, secs = child(["-m", "trainer.make_teacher", "--out", prefix, "--epochs", str(epochs), "--seed", str(seed),
-                       "--threads", "1", "--quiet"], "training the teacher", timeout=900)
+def train_teacher(kids, prefix, epochs, seed=0):
+    res = kids.run(python_m("trainer.make_teacher", "--out", prefix, "--epochs", epochs, "--seed", seed,
+                            "--threads", 1, "--quiet"), "training the teacher", timeout=900, json_line=False)
     with open(f"{prefix}-info.json") as fh:
-        return {**json.load(fh), "wall_s": round(secs, 1), "prefix": prefix, "trained_here": True}
+        return {**json.load(fh), "wall_s": round(res["_wall_s"], 1), "prefix": prefix, "trained_here": True}
 
 
-def train_student(work, teacher, mode, seed, p, dtype):
+def train_student(kids, work, teacher, mode, seed, p, dtype):
     name = f"{mode}-seed{seed}"
-    cmd = ["-m", "trainer", "--teacher", teacher, "--teacher-mode", mode, "--student", p["student"],
-           "--epochs", str(p["epochs"]), "--lr", repr(p["lr"]), "--batch-size", str(p["batch_size"]),
-           "--temperature", repr(p["temperature"]), "--alpha", repr(p["alpha"]), "--seed", str(seed),
-           "--dtype", dtype, "--threads", "1", "--producer-threads", "1", "--quiet", "--json",
-           "--runs-dir", os.path.join(work, "runs"), "--cache-dir", os.path.join(work, "caches"), "--run", name]
-    out, secs = child(cmd, f"the {mode} student, seed {seed}", timeout=1200)
-    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
-    if not lines:
-        raise BenchError(f"the {mode} student, seed {seed}, printed no JSON metrics line")
-    m = json.loads(lines[-1])
+    argv = python_m("trainer", "--teacher", teacher, "--teacher-mode", mode, "--student", p["student"],
+                    "--epochs", p["epochs"], "--lr", repr(p["lr"]), "--batch-size", p["batch_size"],
+                    "--temperature", repr(p["temperature"]), "--alpha", repr(p["alpha"]), "--seed", seed,
+                    "--dtype", dtype, "--threads", 1, "--producer-threads", 1, "--quiet", "--json",
+                    "--runs-dir", os.path.join(work, "runs"), "--cache-dir", os.path.join(work, "caches"),
+                    "--run", name)
+    m = kids.run(argv, f"the {mode} student, seed {seed}", timeout=1200)
     keep = ("test_acc", "teacher_test_acc", "teacher_forwards", "fingerprint", "producer_started", "stall_s",
             "samples_per_s", "wall_s")
-    return {**{k: m.get(k) for k in keep}, "run_dir": os.path.join(work, "runs", name), "child_wall_s": round(secs, 1),
-            "final_epoch": p["epochs"] - 1}
+    return {**{k: m.get(k) for k in keep}, "run_dir": os.path.join(work, "runs", name),
+            "child_wall_s": round(m["_wall_s"], 1), "final_epoch": p["epochs"] - 1}
 
 
 def max_weight_diff(run_a, run_b, epoch):
@@ -119,40 +93,31 @@ def max_weight_diff(run_a, run_b, epoch):
 
 
 def summarise(accs, n_test):
-    mean = statistics.fmean(accs)
-    return {"mean": mean, "std": statistics.stdev(accs) if len(accs) > 1 else 0.0, "min": min(accs),
-            "max": max(accs), "errors_mean": (1 - mean) * n_test,
-            "errors": [round((1 - a) * n_test) for a in accs], "accs": accs}
+    s = spread(accs)
+    return {"mean": s["mean"], "std": s["std"], "min": s["min"], "max": s["max"],
+            "errors_mean": (1 - s["mean"]) * n_test, "errors": [round((1 - a) * n_test) for a in accs], "accs": accs}
 
 
 def table(rows, n_test, forwards):
-    head = (f"| | test accuracy (mean ± std) | test errors of {n_test} (mean) | min–max accuracy "
-            f"| teacher forwards (all seeds) |")
-    lines = [head, "|---|---|---|---|---|"]
+    body = []
     for key, label in ROWS:
         r = rows[key]
-        spread = f"± {100 * r['std']:.2f}" if len(r["accs"]) > 1 else \
+        std = f"± {100 * r['std']:.2f}" if len(r["accs"]) > 1 else \
             "(one network)" if key == "teacher" else "(one seed)"
-        lines.append(f"| {label} | {100 * r['mean']:.2f}% {spread} | {r['errors_mean']:.1f} | "
-                     f"{100 * r['min']:.2f}–{100 * r['max']:.2f}% | {forwards.get(key, '–')} |")
-    return "\n".join(lines)
+        body.append([label, f"{100 * r['mean']:.2f}% {std}", f"{r['errors_mean']:.1f}",
+                     f"{100 * r['min']:.2f}–{100 * r['max']:.2f}%", forwards.get(key, "–")])
+    return md_table(["", "test accuracy (mean ± std)", f"test errors of {n_test} (mean)", "min–max accuracy",
+                     "teacher forwards (all seeds)"], body, pad=False)
 
 
 def seed_table(per_seed, n_test):
-    lines = ["| seed | scratch errors | inline errors | cache errors | cache == inline (test acc) "
-             "| max abs weight diff |",
-             "|---|---|---|---|---|---|"]
+    body = []
     for s in per_seed:
         e = {m: round((1 - s[m]["test_acc"]) * n_test) for m, _ in MODES}
-        lines.append(f"| {s['seed']} | {e['scratch']} | {e['inline']} | {e['cache']} | "
-                     f"{'yes' if s['cache_equals_inline'] else 'NO'} | {s['max_abs_weight_diff']:.3g} |")
-    return "\n".join(lines)
-
-
-def machine():
-    return {"cpus": os.cpu_count(), "system": f"{platform.system()} {platform.release()}",
-            "python": platform.python_version(), "machine": platform.machine(),
-            "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
+        body.append([s["seed"], e["scratch"], e["inline"], e["cache"], "yes" if s["cache_equals_inline"] else "NO",
+                     f"{s['max_abs_weight_diff']:.3g}"])
+    return md_table(["seed", "scratch errors", "inline errors", "cache errors", "cache == inline (test acc)",
+                     "max abs weight diff"], body, pad=False)
 
 
 def main(argv=None):
@@ -184,24 +149,22 @@ def main(argv=None):
         print("error: --seeds must be at least 1", file=sys.stderr)
         return 2
     t_start = time.perf_counter()
-    if args.tmp:
-        os.makedirs(args.tmp, exist_ok=True)
-        work = tempfile.mkdtemp(prefix="distill-", dir=args.tmp)
-    else:
-        work = tempfile.mkdtemp(prefix="kdcache-distill-")
+    work = scratch_dir(args.tmp, "kdcache-distill-")
+    kids = Children()
     try:
-        report = run(args, p, work)
+        report = run(kids, args, p, work)
     except BenchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
+        kids.stop_all()
         if not args.tmp:
             shutil.rmtree(work, ignore_errors=True)
     report["runtime_s"] = round(time.perf_counter() - t_start, 1)
 
     n_test, rows = report["n_test"], report["rows"]
     s = report["settings"]
-    print(f"# Distillation on digits ({'quick' if args.quick else 'full'} run, {report['runtime_s']:.0f} s)\n")
+    print(heading("Distillation on digits", args.quick, report["runtime_s"]))
     t = report["teacher"]
     print(f"Teacher {t.get('arch', os.path.basename(t['prefix']))} ({t.get('epochs', '?')} epochs), "
           f"student {s['student']}; "
@@ -219,17 +182,12 @@ def main(argv=None):
           f"{report['teacher_forwards']['inline']} (= {s['epochs']} epochs x {report['n_train']} samples x "
           f"{len(s['seeds'])} seeds).")
 
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    tmp = args.out + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(report, fh, indent=1)
-        fh.write("\n")
-    os.replace(tmp, args.out)
+    write_report(args.out, report)
     print(f"Report: {args.out}")
     return 0
 
 
-def run(args, p, work):
+def run(kids, args, p, work):
     seeds = list(range(p["seeds"]))
     if args.teacher:
         prefix = os.path.abspath(args.teacher)
@@ -240,14 +198,14 @@ def run(args, p, work):
     else:
         prefix = os.path.join(work, "teacher", "digits")
         log(f"training the teacher ({p['teacher_epochs']} epochs, one thread)")
-        teacher = train_teacher(prefix, p["teacher_epochs"])
+        teacher = train_teacher(kids, prefix, p["teacher_epochs"])
         log(f"teacher: test accuracy {teacher['test_acc']:.4f} in {teacher['wall_s']} s")
 
     per_seed = []
     for seed in seeds:
         res = {"seed": seed}
         for key, mode in MODES:
-            res[key] = train_student(work, prefix, mode, seed, p, args.dtype)
+            res[key] = train_student(kids, work, prefix, mode, seed, p, args.dtype)
             log(f"seed {seed} {key:8s} test accuracy {res[key]['test_acc']:.4f}, teacher forwards "
                 f"{res[key]['teacher_forwards']}, {res[key]['child_wall_s']} s")
         res["cache_equals_inline"] = res["cache"]["test_acc"] == res["inline"]["test_acc"]
@@ -286,8 +244,8 @@ def run(args, p, work):
         "cache_fills": len(fingerprints), "fingerprints": fingerprints,
         "kd_gain_errors": rows["scratch"]["errors_mean"] - rows["cache"]["errors_mean"],
         "quick": bool(args.quick),
-        "machine": machine(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine(mxnet=True, omp_num_threads=1),
+        "date": utc_now(),
     }
 
 

@@ -9,15 +9,16 @@ machine two devices are emulated by two cores: where the teacher and the student
 where they run together (inline) they share the student's one core, as on one GPU.
 
 Data: `synthetic` 3x32x32, 10 classes, sized from the measured student step so that one student
-epoch takes about 10 s (--quick: 1.5 s); 2 epochs (--quick: 1). Student: `small_cnn`. Two teachers, exported here (explicit prefix,
-fixed seed): a VGG-style CNN whose width (a multiple of 8) and depth are calibrated so that its
-forward of a batch takes about 1/3 (light) or 2x (heavy) the student's training step on the same
-batch, both on one thread; the measured ratios are printed.
+epoch takes about 10 s (--quick: 1.5 s); 2 epochs (--quick: 1). Student: `small_cnn`. Two
+teachers, exported here (explicit prefix, fixed seed): a VGG-style CNN whose width (a multiple
+of 8) and depth are calibrated so that its forward of a batch takes about 1/3 (light) or 2x
+(heavy) the student's training step on the same batch, both on one thread; the measured ratios
+are printed.
 
 Scenarios, for each pair, each with a fresh cache directory where one is used:
   student_only   python -m trainer --teacher-mode none: the limit any KD method can reach
   inline         --teacher-mode inline: teacher forward then student step, batch by batch
-  inline_async   a loop here (same data, schedule, student, KDLoss) that issues the teacher's
+  inline_async   a loop of this benchmark (same data, schedule, student, KDLoss) that issues the teacher's
                  forward of the next batch before the student's step and never waits for it:
                  MXNet's asynchronous engine may overlap them. One engine worker (the default):
                  the student's one core, like `inline`.
@@ -35,6 +36,9 @@ per epoch) and "student alone" (student_only's epoch 1).
 Each trainer and producer is watched by a /proc poller (every 0.2 s: VmHWM of the trainer and
 of its children), and the CPU time the other processes of the machine used meanwhile is recorded
 (/proc/stat), so a report taken on a shared machine says how shared it was.
+
+This module is the command (sizes, floors, report); bench.kd_scenarios runs the scenarios,
+bench.kd_children is the MXNet processes (calibration, teacher alone, the inline_async loop).
 """
 import os
 import sys
@@ -44,425 +48,24 @@ if __package__ in (None, ""):  # run as a file: import the repo's packages, not 
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import math  # noqa: E402
 import shutil  # noqa: E402
-import statistics  # noqa: E402
 import time  # noqa: E402
 
-import numpy as np  # noqa: E402
-
 from bench.common import (ROOT, Children, busy_warning, child_env, floors_line, heading, machine,  # noqa: E402
-                          machine_line, make_log, md_table, python_m, scratch_dir, spread, utc_now, verdict,
-                          write_report)
+                          machine_line, md_table, python_m, scratch_dir, spread, utc_now, verdict, write_report)
+from bench.kd_scenarios import (BATCH, ORDER, REQUIRED, RSS, SEED, STUDENT, TARGETS, THREADS, log,  # noqa: E402
+                                plot_online, result_rows, rounded, run_pair)
 
 DEFAULT_OUT = os.path.join("bench", "results", "kd.json")
 PNG_NAME = "kd_online.png"
-CLASSES = 10
-SHAPE = (3, 32, 32)
-BATCH = 128
-STUDENT = "small_cnn"
-THREADS = 1
-SEED = 0
-TARGETS = {"light": 1 / 3, "heavy": 2.0}  # teacher forward / student step, one thread each
-FIRST_SHAPE = {"light": (16, 0), "heavy": (40, 1)}  # the calibration's first guesses (width, extra convs)
 
 # Sizes: full run (~9 min on 2 idle cores) and --quick (~1.5-2 min: 14 MXNet processes' start-up).
 FULL = dict(epoch_s=10.0, min_steps=30, max_steps=400, epochs=2, reps=7, tries=4)
 QUICK = dict(epoch_s=1.5, min_steps=6, max_steps=40, epochs=1, reps=3, tries=1)
-# inline_async_2w (informative) runs one epoch: inline methods run every epoch alike, and time is short.
-ONE_EPOCH = {"inline_async_2w"}
-
-SCENARIOS = ["student_only", "inline", "inline_async", "inline_async_2w", "online", "warm", "ring"]
-REQUIRED = ["student_only", "inline", "inline_async", "online", "warm", "ring"]
-# Run order per pair: student_only and warm side by side in time (their floor is the tightest).
-ORDER = ["online", "warm", "student_only", "ring", "inline", "inline_async", "inline_async_2w"]
 
 FLOORS = {"warm_vs_student_only": 0.97,           # warm samples/s >= 0.97 x student_only samples/s
           "epoch1_vs_slowest_stage": 1.10,        # online/ring epoch 1 <= 1.10 x max(teacher alone, student alone)
           "vs_inline_heavy": 1.5}                 # online/ring samples/s >= 1.5 x inline's, heavy pair
-# Peak memory per role: the process started (the trainer) and a `cache_builder` below it.
-RSS = {"role": "trainer", "roles": {"producer": "cache_builder"}}
-
-log = make_log("bench.kd")
-
-
-# -- children: calibration and the inline_async loop (MXNet imported only here) ---------------------
-def teacher_net(width, extra, prefix):
-    """A VGG-style CNN: (Conv-BN-ReLU x2, MaxPool) at widths w, 2w, 4w, then `extra` more
-    Conv-BN-ReLU at 4w (8x8), global average pool, Dense. Its compute is about w^2 (4 + extra)
-    units; w stays a multiple of 8, since oneDNN's blocked layouts make other widths several
-    times slower per FLOP."""
-    from mxnet import gluon
-    net = gluon.nn.HybridSequential(prefix=prefix)  # explicit: the same files every run
-    with net.name_scope():
-        for k in (1, 2, 4):
-            for _ in range(2 + (extra if k == 4 else 0)):
-                net.add(gluon.nn.Conv2D(width * k, 3, padding=1, use_bias=False), gluon.nn.BatchNorm(),
-                        gluon.nn.Activation("relu"))
-            net.add(gluon.nn.MaxPool2D(2))
-        net.add(gluon.nn.GlobalAvgPool2D(), gluon.nn.Dense(CLASSES))
-    return net
-
-
-def teacher_cost(width, extra):
-    """Relative forward cost of teacher_net(width, extra): FLOP units (the model calibration refines)."""
-    return width * width * (4 + extra)
-
-
-TEACHER_SHAPES = sorted(((w, e) for w in range(8, 129, 8) for e in range(0, 5)), key=lambda s: teacher_cost(*s))
-
-
-def trainer_defaults():
-    """The trainer's own defaults (optimiser, KD loss), so the loops here train as it does."""
-    from trainer.options import build_parser
-    return build_parser().parse_args([])
-
-
-def child_prepare(root, reps, tries, epoch_s, min_steps, max_steps):
-    """Everything before the scenarios, in one process on one thread (an MXNet start-up costs
-    seconds): calibrate and export the teachers, size the data set, time each teacher alone,
-    and build the trainer's teacher-accuracy caches of the test split. Prints one JSON line."""
-    out_dir = os.path.join(root, "teachers")
-    os.makedirs(out_dir, exist_ok=True)
-    cal = calibrate(out_dir, reps, tries)
-    step_s = cal["student_step_ms"] / 1e3
-    steps = int(min(max_steps, max(min_steps, round(epoch_s / step_s))))
-    n = steps * BATCH
-    dataset = f"synthetic:n={n},classes={CLASSES},shape={'x'.join(map(str, SHAPE))}"
-    out = {**cal, "steps_per_epoch": steps, "n": n, "dataset": dataset, "alone": {}, "test_cache": {}}
-    for pair, c in cal["pairs"].items():
-        out["alone"][pair] = teacher_alone(c["prefix"], dataset, os.path.join(root, pair, "caches-offline"))
-        out["test_cache"][pair] = test_split_cache(c["prefix"], dataset, os.path.join(root, pair, "caches-test"))
-    print(json.dumps(out))
-
-
-def teacher_alone(prefix, dataset_arg, cache_dir):
-    """The producer's offline loop (cache_builder.produce.produce_offline, what `python -m
-    cache_builder` runs) filling the train split into a fresh cache on this process's one thread:
-    its rows/s, start-up excluded."""
-    from cache_builder.produce import produce_offline
-    from pipeline.augment import Augment
-    from pipeline.cachespec import build_spec
-    from pipeline.checkpoint import teacher_identity
-    from pipeline.datasets import load_dataset
-    from pipeline.teacher import Teacher
-    from store import CacheWriter, path_for
-    train = load_dataset(dataset_arg, split="train")
-    spec = build_spec(teacher_identity(prefix), train, views=1, augment=Augment(), seed=SEED, codec="full",
-                      dtype="float16")
-    teacher = Teacher(prefix, batch_size=BATCH)
-    teacher.forward(train.get_batch([0, 1])[0])  # the CLI's class check, before its loop
-    teacher.forwards = 0
-    with CacheWriter(path_for(cache_dir, spec.fingerprint), spec) as w:
-        stats = produce_offline(teacher, train, w, seed=SEED, augment=Augment(), batch_size=BATCH, progress=False)
-    if not w.complete or stats.rows_written != len(train):
-        raise RuntimeError(f"bench: the offline producer left {cache_dir} incomplete ({stats})")
-    return {"rows": stats.rows_written, "rows_per_s": stats.rows_per_s, "loop_s": stats.seconds,
-            "teacher_s": stats.teacher_seconds, "epoch_s": len(train) / stats.rows_per_s}
-
-
-def test_split_cache(prefix, dataset_arg, cache_dir):
-    """The cache of the test split the trainer reads its teacher's accuracy from, under the name the
-    trainer looks up (trainer/train.py: build_spec(teacher, test, codec="full", dtype="float32")).
-    Copied into each fresh cache directory before a run; otherwise the trainer would start a second
-    producer for it, a third MXNet process on two cores, while it trains."""
-    from pipeline.cachespec import build_spec
-    from pipeline.checkpoint import teacher_identity
-    from pipeline.datasets import load_dataset
-    from pipeline.teacher import Teacher
-    from store import CacheWriter, path_for
-    test = load_dataset(dataset_arg, split="test")
-    spec = build_spec(teacher_identity(prefix), test, codec="full", dtype="float32")
-    teacher = Teacher(prefix, batch_size=BATCH)
-    with CacheWriter(path_for(cache_dir, spec.fingerprint), spec) as w:
-        for a in range(0, len(test), BATCH):
-            idx = np.arange(a, min(len(test), a + BATCH))
-            w.write(idx, teacher.forward(test.get_batch(idx)[0]))
-    if not w.complete:
-        raise RuntimeError(f"bench: the test-split cache in {cache_dir} is incomplete")
-    return w.final
-
-
-def calibrate(out_dir, reps, tries):
-    """Time the student's training step and candidate teachers' forwards on one thread; export the
-    light and heavy teachers whose forward/step ratios land nearest 1/3 and 2."""
-    import mxnet as mx
-    from mxnet import autograd, gluon
-    from pipeline.teacher import Teacher
-    from trainer.loss import KDLoss
-    from trainer.models import get_model
-    mx.random.seed(SEED)
-    rng = np.random.default_rng(SEED)
-    x = rng.random((BATCH,) + SHAPE, dtype=np.float32)
-    y = rng.integers(0, CLASSES, BATCH).astype(np.float32)
-    t = rng.standard_normal((BATCH, CLASSES), dtype=np.float32)
-
-    # the student's step as trainer/train.py runs it: copy in, KD loss, backward, Adam, loss read back
-    net = get_model(STUDENT, CLASSES, prefix="student_")
-    net.initialize(mx.init.Xavier())
-    net.hybridize(static_alloc=True)
-    d = trainer_defaults()
-    opt = gluon.Trainer(net.collect_params(), "adam", {"learning_rate": d.lr, "wd": d.wd})
-    loss_fn = KDLoss(d.temperature, d.alpha)
-
-    def student_step():
-        t0 = time.perf_counter()
-        xs, ys, ts = mx.nd.array(x), mx.nd.array(y), mx.nd.array(t)
-        with autograd.record():
-            loss = loss_fn(net(xs), ts, ys)
-        autograd.backward([loss])
-        opt.step(BATCH)
-        float(loss.sum().asscalar())
-        return time.perf_counter() - t0
-
-    def load_teacher(shape, pair, name):
-        mx.random.seed(SEED)
-        tn = teacher_net(*shape, f"kd{pair}_")
-        tn.initialize(mx.init.Xavier())
-        tn.hybridize()
-        tn(mx.nd.array(x[:1])).wait_to_read()
-        prefix = os.path.join(out_dir, name)
-        tn.export(prefix, 0)
-        teacher = Teacher(prefix, batch_size=BATCH)  # the runner the producer and inline mode use
-        teacher.forward(x)
-        return prefix, teacher, sum(int(np.prod(p.shape)) for p in tn.collect_params().values())
-
-    def paired(teacher):
-        """Median step and forward times, interleaved so machine noise hits both."""
-        s, f = [], []
-        for _ in range(reps):
-            s.append(student_step())
-            t0 = time.perf_counter()
-            teacher.forward(x)
-            f.append(time.perf_counter() - t0)
-        return statistics.median(s), statistics.median(f)
-
-    for _ in range(3):
-        student_step()  # warm-up: memory plans, oneDNN primitives
-    out = {"student": STUDENT, "batch": BATCH, "threads": int(os.environ.get("OMP_NUM_THREADS", 0) or 0),
-           "num_gpus": mx.context.num_gpus(), "pairs": {}}
-    steps_s = []
-    for name, target in TARGETS.items():
-        shape, seen, scale = FIRST_SHAPE[name], {}, None
-        for _ in range(tries):
-            prefix, teacher, params = load_teacher(shape, name, f"{name}-w{shape[0]}-x{shape[1]}")
-            step_s, fwd_s = paired(teacher)
-            steps_s.append(step_s)
-            ratio = fwd_s / step_s
-            seen[shape] = {"width": shape[0], "extra_convs": shape[1], "prefix": prefix, "forward_ms": 1e3 * fwd_s,
-                           "step_ms": 1e3 * step_s, "ratio": ratio, "parameters": params}
-            if abs(math.log(ratio / target)) < math.log(1.1):
-                break
-            scale = ratio / teacher_cost(*shape)  # ratio per cost unit, from the latest measurement
-            nxt = min(TEACHER_SHAPES, key=lambda s: abs(math.log(scale * teacher_cost(*s) / target)))
-            if nxt in seen:
-                break
-            shape = nxt
-        best = min(seen.values(), key=lambda c: abs(math.log(c["ratio"] / target)))
-        final = os.path.join(out_dir, name)
-        for suffix in ("-symbol.json", "-0000.params"):
-            shutil.copyfile(best["prefix"] + suffix, final + suffix)
-        out["pairs"][name] = {**best, "prefix": final, "target": target, "tries": list(seen.values())}
-    out["student_step_ms"] = 1e3 * statistics.median(steps_s)
-    return out
-
-
-def child_async(a):
-    """Inline KD on MXNet's asynchronous engine: the teacher's forward of batch i+1 is issued before
-    the student's step on batch i and never waited for; only the student's loss is read back each
-    step, as trainer/train.py does. Same data, schedule, student, optimiser and KDLoss as the trainer."""
-    import mxnet as mx
-    from mxnet import autograd, gluon
-    from pipeline import load_dataset, make_views, schedule
-    from pipeline.augment import Augment
-    from pipeline.schedule import steps_per_epoch
-    from trainer.loss import KDLoss
-    from trainer.models import get_model
-    mx.random.seed(SEED)
-    np.random.seed(SEED)
-    ctx = mx.gpu(0) if a.ctx.startswith("gpu") else mx.cpu()
-    train = load_dataset(a.dataset, split="train")
-    n = len(train)
-    teacher = gluon.SymbolBlock.imports(a.teacher + "-symbol.json", ["data"], a.teacher + "-0000.params",
-                                        ctx=mx.cpu())
-    # The oneDNN graph fusion (conv+BN+ReLU) the executor of pipeline.teacher gets by default; without
-    # it this teacher would run ~20% slower than inline's. Outputs of successive calls stay distinct.
-    try:
-        teacher.hybridize(backend="MKLDNN", static_alloc=True)
-    except Exception:  # a build without oneDNN
-        teacher.hybridize(static_alloc=True)
-    from pipeline.teacher import Teacher
-    x0 = train.get_batch(np.arange(min(n, a.batch_size)))[0]
-    ref = Teacher(a.teacher, batch_size=a.batch_size).forward(x0)
-    if not np.allclose(teacher(mx.nd.array(x0)).asnumpy(), ref, rtol=1e-4, atol=1e-4):
-        raise RuntimeError("bench: the async loop's teacher disagrees with pipeline.teacher on the first batch")
-    net = get_model(a.student, train.num_classes, prefix="student_")
-    net.initialize(mx.init.Xavier(), ctx=ctx)
-    net.hybridize(static_alloc=True)
-    d = trainer_defaults()
-    opt = gluon.Trainer(net.collect_params(), "adam", {"learning_rate": d.lr, "wd": d.wd})
-    loss_fn = KDLoss(d.temperature, d.alpha)
-    net(mx.nd.array(train.get_batch([0])[0], ctx=ctx)).wait_to_read()
-    augment = Augment()
-
-    def issue(st):
-        """The batch's inputs, and the teacher's forward queued on the engine (not waited for)."""
-        x, y = make_views(train, st.indices, st.view, seed=SEED, augment=augment)
-        xc = mx.nd.array(x, ctx=mx.cpu())
-        t = teacher(xc)
-        if ctx != mx.cpu():
-            return st, xc.as_in_context(ctx), mx.nd.array(y.astype(np.float32), ctx=ctx), t.as_in_context(ctx)
-        return st, xc, mx.nd.array(y.astype(np.float32)), t
-
-    spe = steps_per_epoch(n, a.batch_size)
-    steps = schedule(SEED, a.epochs, n, a.batch_size, 1)
-    history, forwards, seen = [], 0, 0
-    t0 = t_epoch = time.perf_counter()
-    nxt = issue(next(steps))
-    forwards += len(nxt[0].indices)
-    while nxt is not None:
-        st, x, y, t = nxt
-        try:
-            nxt = issue(next(steps))  # before the student's step: the engine may overlap the two
-            forwards += len(nxt[0].indices)
-        except StopIteration:
-            nxt = None
-        with autograd.record():
-            loss = loss_fn(net(x), t, y)
-        autograd.backward([loss])
-        opt.step(x.shape[0])
-        float(loss.sum().asscalar())  # the trainer reads its loss every step too
-        seen += x.shape[0]
-        if st.step == spe - 1:
-            now = time.perf_counter()
-            history.append({"epoch": st.epoch, "seconds": round(now - t_epoch, 3),
-                            "samples_per_s": round(n / (now - t_epoch), 1)})
-            t_epoch = now
-    train_s = time.perf_counter() - t0
-    print(json.dumps({"samples_per_s": round(seen / train_s, 1), "epoch1_s": history[0]["seconds"],
-                      "stall_s": None, "teacher_forwards": forwards, "producer_started": False,
-                      "history": history, "ctx": str(ctx),
-                      "engine_workers": os.environ.get("MXNET_CPU_WORKER_NTHREADS", "1 (default)")}))
-
-
-# -- one pair ----------------------------------------------------------------------------------------------
-def trainer_argv(dataset, run_dir_root, run, epochs, *, mode, teacher=None, cache_dir=None, store=None, ctx=None):
-    argv = python_m("trainer", "--dataset", dataset, "--student", STUDENT, "--epochs", epochs, "--batch-size", BATCH,
-                    "--seed", SEED, "--threads", THREADS, "--producer-threads", THREADS, "--teacher-mode", mode,
-                    "--quiet", "--json", "--runs-dir", run_dir_root, "--run", run)
-    if teacher:
-        argv += ["--teacher", teacher]
-    if cache_dir:
-        argv += ["--cache-dir", cache_dir]
-    if store:
-        argv += ["--store", store]
-    if ctx:
-        argv += ["--ctx", ctx]
-    return argv
-
-
-def read_json(path):
-    try:
-        with open(path) as fh:
-            return json.load(fh)
-    except (OSError, ValueError):
-        return None
-
-
-def startup_note(res, run_dir, steps):
-    """Where the producer's start-up falls: epoch 1's start (from the trainer's timeline), the
-    producer's first finished step, and the trainer's wait for its first batch."""
-    tl = (read_json(os.path.join(run_dir, "timeline.json")) or {}).get("steps") or []
-    ptl = (read_json(os.path.join(run_dir, "producer-timeline.json")) or {}).get("steps") or []
-    if len(tl) < steps or not res.get("epoch1_s"):
-        return {}
-    epoch_start = tl[steps - 1][0] - res["epoch1_s"]
-    out = {"epoch1_start_after_launch_s": round(epoch_start - res["_launched"], 3),
-           "first_step_wait_s": round(tl[0][2], 3)}
-    if ptl:
-        out["producer_first_step_into_epoch1_s"] = round(ptl[0][0] - epoch_start, 3)
-    return out
-
-
-def run_pair(pair, prep, epochs, root, kids, ctx=None, scenarios=ORDER):
-    """Every scenario of one teacher/student pair, each cache-mode run in a fresh cache directory
-    that holds only the trainer's test-split cache. Returns {scenario: result}."""
-    tag = pair + ("-" + ctx.replace(":", "") if ctx else "")
-    base = os.path.join(root, tag)
-    logs, runs = os.path.join(base, "logs"), os.path.join(base, "runs")
-    for d in (logs, runs):
-        os.makedirs(d, exist_ok=True)
-    teacher = prep["pairs"][pair]["prefix"]
-    dataset, steps = prep["dataset"], prep["steps_per_epoch"]
-    env = child_env(THREADS)
-    dirs = {k: os.path.join(base, "caches-" + k) for k in ("online", "ring")}
-    for d in dirs.values():
-        os.makedirs(d)
-        shutil.copy2(prep["test_cache"][pair], d)
-
-    out = {}
-    for sc in scenarios:
-        run = f"{tag}-{sc}"
-        ep = 1 if sc in ONE_EPOCH else epochs
-        if sc.startswith("inline_async"):
-            workers = 2 if sc == "inline_async_2w" else None
-            argv = python_m("bench.kd", "--child", "async", "--teacher", teacher, "--dataset", dataset, "--epochs", ep,
-                            "--batch-size", BATCH, "--student", STUDENT, "--ctx", ctx or "cpu")
-            e = child_env(THREADS, **({"MXNET_CPU_WORKER_NTHREADS": workers} if workers else {}))
-            res = kids.run(argv, f"{tag} {sc}", env=e, log_dir=logs, cwd=base, rss=RSS)
-        else:
-            kw = {"student_only": dict(mode="none"),
-                  "inline": dict(mode="inline", teacher=teacher),
-                  "online": dict(mode="cache", teacher=teacher, cache_dir=dirs["online"]),
-                  "warm": dict(mode="cache", teacher=teacher, cache_dir=dirs["online"]),
-                  "ring": dict(mode="cache", teacher=teacher, cache_dir=dirs["ring"], store="ring")}[sc]
-            res = kids.run(trainer_argv(dataset, runs, run, ep, ctx=ctx, **kw), f"{tag} {sc}", env=env,
-                           log_dir=logs, cwd=base, rss=RSS)
-            run_dir = os.path.join(runs, run)
-            res["run_dir"] = run_dir
-            res["history"] = (read_json(os.path.join(run_dir, "metrics.json")) or {}).get("history")
-            res["test_producer_started"] = os.path.exists(os.path.join(run_dir, "producer-test.log"))
-            if res["test_producer_started"]:
-                log(f"    warning: {run} started a producer for the test split (a third process)")
-            if sc in ("online", "ring"):
-                res["startup"] = startup_note(res, run_dir, steps)
-        res["epochs"] = ep
-        out[sc] = res
-        log(f"  {pair} {sc}: {res['samples_per_s']:.0f} samples/s, epoch 1 {res['epoch1_s']:.2f} s, stall "
-            f"{res['stall_s'] if res['stall_s'] is not None else '-'} s, teacher forwards {res['teacher_forwards']}, "
-            f"peak RSS {res['_peak_rss_mib']} MiB, {res['_cpu']['tree_cores'] or 0:.2f} cores used, other "
-            f"processes {res['_cpu']['other_cores'] or 0:.2f} cores ({res['_wall_s']:.1f} s wall)")
-    return out
-
-
-def result_rows(pair, runs, section):
-    so = runs["student_only"]["samples_per_s"]
-    rows = []
-    for sc in SCENARIOS:
-        r = runs.get(sc)
-        if r is None:
-            continue
-        rows.append({"pair": pair, "scenario": sc, "section": section, "samples_per_s": r["samples_per_s"],
-                     "ratio_to_student_only": round(r["samples_per_s"] / so, 4) if so else None,
-                     "epoch1_s": r["epoch1_s"], "epoch2_s": _epoch_s(r, 1), "epochs": r["epochs"],
-                     "stall_s": r["stall_s"], "peak_rss_mib": r["_peak_rss_mib"],
-                     "teacher_forwards": r["teacher_forwards"], "producer_started": r.get("producer_started"),
-                     "wall_s": round(r["_wall_s"], 3), "cpu_cores_used": _round(r["_cpu"]["tree_cores"]),
-                     "other_processes_cores": _round(r["_cpu"]["other_cores"]),
-                     "loadavg_1m": [r["_cpu"]["loadavg_1m_start"], r["_cpu"]["loadavg_1m_end"]],
-                     "history": r.get("history"), "startup": r.get("startup"),
-                     "engine_workers": r.get("engine_workers"),
-                     "test_producer_started": r.get("test_producer_started", False)})
-    return rows
-
-
-def _epoch_s(r, i):
-    h = r.get("history") or []
-    return h[i]["seconds"] if len(h) > i else None
-
-
-def _round(v, d=3):
-    return None if v is None else round(v, d)
 
 
 def pair_table(rows):
@@ -533,72 +136,6 @@ def floors_table(fl):
                      for f in fl])
 
 
-# -- the plot ----------------------------------------------------------------------------------------------
-def plot_online(res, out_png, title, steps):
-    """The producer's and the trainer's schedule positions over time, the trainer's stalls shaded."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    run_dir = res["run_dir"]
-    tl = (read_json(os.path.join(run_dir, "timeline.json")) or {}).get("steps") or []
-    ptl = (read_json(os.path.join(run_dir, "producer-timeline.json")) or {}).get("steps") or []
-    if not tl:
-        raise RuntimeError(f"bench: {run_dir}/timeline.json is missing or empty: nothing to plot")
-    t0 = res["_launched"]
-    tt = np.array([s[0] for s in tl]) - t0
-    tp = np.array([s[1] for s in tl]) + 1
-    wait = np.array([s[2] for s in tl])
-    hist = res.get("history") or []
-    # epoch e started its last step's time minus its duration (evaluation and checkpoints lie between)
-    starts = [tt[(e + 1) * steps - 1] - h["seconds"] for e, h in enumerate(hist) if (e + 1) * steps <= len(tt)]
-    fig, (ax, ax2) = plt.subplots(2, 1, sharex=True, figsize=(9, 6.5), dpi=110, gridspec_kw={"height_ratios": [3, 1]})
-    # a step's wait came right before its compute: [end of the previous step, or its epoch's start, + wait]
-    prev = np.concatenate([[tt[0] - wait[0]], tt[:-1]])
-    for e, a in enumerate(starts):
-        prev[e * steps] = a
-    merged = []
-    for a, w in zip(prev, wait):
-        if w <= 1e-3:
-            continue
-        if merged and a <= merged[-1][1] + 1e-3:
-            merged[-1][1] = max(merged[-1][1], a + w)
-        else:
-            merged.append([a, a + w])
-    for i, (a, b) in enumerate(merged):
-        ax.axvspan(a, b, color="tab:red", alpha=0.15, lw=0,
-                   label=f"trainer waits for targets (> 1 ms; {wait.sum():.1f} s in all)" if i == 0 else None)
-    if ptl:
-        pt = np.array([s[0] for s in ptl]) - t0
-        pp = np.array([s[1] for s in ptl]) + 1
-        ax.step(np.concatenate([[pt[0]], pt]), np.concatenate([[0], pp]), where="post", color="tab:blue", lw=4,
-                alpha=0.45, label=f"producer (teacher, 1 core): steps done ({int(sum(s[2] for s in ptl))} rows "
-                                  f"computed)")
-    epochs_txt = ", ".join(f"epoch {e + 1} {h['seconds']:.1f} s" for e, h in enumerate(hist))
-    ax.step(np.concatenate([[tt[0]], tt]), np.concatenate([[0], tp]), where="post", color="tab:green", lw=1.4,
-            label=f"trainer (student, 1 core): steps done ({epochs_txt})")
-    for e, a in enumerate(starts):
-        for axis in (ax, ax2):
-            axis.axvline(a, color="0.4", ls="--", lw=1, label="epoch starts" if e == 0 and axis is ax else None)
-        ax.annotate(f"epoch {e + 1}", (a, 1), xycoords=("data", "axes fraction"), xytext=(3, -12),
-                    textcoords="offset points", fontsize=8, color="0.3")
-    ax2.bar(prev, wait, width=np.maximum(wait, 0.05), align="edge", color="tab:red", alpha=0.7)
-    ax2.set_ylabel("wait before\neach step (s)")
-    ax2.set_xlabel("seconds since the trainer was launched")
-    ax2.grid(alpha=0.3)
-    ax.set_ylabel("schedule steps done (batches of %d)" % BATCH)
-    ax.set_title(title, fontsize=10)
-    ax.set_xlim(left=0)
-    ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(out_png)), exist_ok=True)
-    tmp = out_png + ".tmp.png"
-    fig.savefig(tmp)
-    plt.close(fig)
-    os.replace(tmp, out_png)
-
-
 # -- main --------------------------------------------------------------------------------------------------
 def main(argv=None):
     ap = argparse.ArgumentParser(
@@ -612,22 +149,7 @@ def main(argv=None):
     ap.add_argument("--tmp", default=None, help="directory for teachers, caches and runs (default: the system temp "
                                                 "dir); everything written there is removed")
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory (runs, logs) for inspection")
-    ap.add_argument("--child", choices=["prepare", "async"], help=argparse.SUPPRESS)
-    ap.add_argument("--teacher", help=argparse.SUPPRESS)
-    ap.add_argument("--dataset", help=argparse.SUPPRESS)
-    ap.add_argument("--student", default=STUDENT, help=argparse.SUPPRESS)
-    ap.add_argument("--epochs", type=int, default=1, help=argparse.SUPPRESS)
-    ap.add_argument("--batch-size", type=int, default=BATCH, help=argparse.SUPPRESS)
-    ap.add_argument("--ctx", default="cpu", help=argparse.SUPPRESS)
-    ap.add_argument("--root", help=argparse.SUPPRESS)
-    ap.add_argument("--sizes", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.child == "prepare":
-        child_prepare(args.root, **json.loads(args.sizes))
-        return 0
-    if args.child == "async":
-        child_async(args)
-        return 0
 
     p = QUICK if args.quick else FULL
     png = args.png or os.path.join(os.path.dirname(os.path.abspath(args.out)), PNG_NAME)
@@ -642,7 +164,7 @@ def main(argv=None):
         log("calibrating the teachers against the student's step, sizing the data set, timing each teacher alone "
             "(one process, 1 thread)")
         sizes = {k: p[k] for k in ("reps", "tries", "epoch_s", "min_steps", "max_steps")}
-        prep = kids.run(python_m("bench.kd", "--child", "prepare", "--root", root, "--sizes", json.dumps(sizes)),
+        prep = kids.run(python_m("bench.kd_children", "prepare", "--root", root, "--sizes", json.dumps(sizes)),
                         "prepare", env=child_env(THREADS), log_dir=root, cwd=root, rss=RSS)
         n, steps, dataset, epochs = prep["n"], prep["steps_per_epoch"], prep["dataset"], p["epochs"]
         alone = prep["alone"]
@@ -713,8 +235,8 @@ def main(argv=None):
                      "inline_async_2w": {"omp_num_threads": THREADS, "mxnet_cpu_worker_nthreads": 2}},
         "gpu": gpu,
         "load": {"loadavg_start": [round(v, 2) for v in load_start], "loadavg_end": [round(v, 2) for v in load_end],
-                 "other_processes_cores_mean": _round(others["mean"]),
-                 "other_processes_cores_max": _round(others["max"])},
+                 "other_processes_cores_mean": rounded(others["mean"]),
+                 "other_processes_cores_max": rounded(others["max"])},
         "machine": m,
         "date": utc_now(),
         "quick": bool(args.quick),

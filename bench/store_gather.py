@@ -1,0 +1,190 @@
+"""Store benchmark sections that read: gather from RAM vs numpy, vs one file per sample, and out of core."""
+import gc
+import os
+import shutil
+import statistics
+import tempfile
+import time
+
+import h5py
+import numpy as np
+
+from bench.common import md_table, rate, verdict
+from bench.store_write import BATCH, build_cache, teacher_logits
+from store import CacheReader
+
+FLOORS = {"gather_vs_numpy": 0.5, "gather_vs_per_sample_files": 20.0}
+
+
+def epoch_batches(rng, n, count, size=BATCH):
+    """`count` batches of `size` sample indices, drawn as a trainer does: shuffled epochs back to back."""
+    need = count * size
+    order = np.concatenate([rng.permutation(n) for _ in range(-(-need // n))])
+    return order[:need].reshape(count, size)
+
+
+def timed_rounds(sides, repeats):
+    """Run each side's callable `repeats` times, interleaved, rotating which side goes first.
+    Returns {side: [seconds per run]}. The garbage collector is off inside each timed run."""
+    names = list(sides)
+    times = {k: [] for k in names}
+    for r in range(repeats):
+        s = r % len(names)
+        for k in names[s:] + names[:s]:
+            gc.collect()
+            gc.disable()
+            try:
+                t0 = time.perf_counter()
+                sides[k]()
+                times[k].append(time.perf_counter() - t0)
+            finally:
+                gc.enable()
+    return times
+
+
+# -- 1. gather vs numpy -----------------------------------------------------------------------
+def bench_gather_vs_numpy(root, p, rng):
+    n, c = p["gather_n"], 100
+    logits = teacher_logits(rng, n, c)
+    spec, path = build_cache(root, logits, tag="gather")
+    del logits
+    reader = CacheReader(path, spec=spec, memory_budget=None)
+    if not reader.in_ram:
+        raise RuntimeError(f"bench: the reader did not hold the {n}x{c} cache in RAM; free some memory")
+    with h5py.File(path + ".h5", "r") as f:  # the same rows, as one plain numpy array in RAM
+        arr = np.ascontiguousarray(f["logits"][:, 0, :])
+    batches = epoch_batches(rng, n, p["gather_batches"])
+    for b in batches[:3]:
+        if not np.array_equal(reader.get(b), arr[b].astype(np.float32)):
+            raise RuntimeError("bench: reader.get() and numpy disagree on the same rows")
+
+    def kdcache():
+        for b in batches:
+            reader.get(b)
+
+    def numpy_f32():
+        for b in batches:
+            arr[b].astype(np.float32)
+
+    def numpy_raw():
+        for b in batches:
+            arr[b]
+
+    held = reader._tables["logits"]  # the array the reader holds in RAM (float32 once widened)
+
+    def numpy_held():
+        for b in batches:
+            held[b]
+
+    sides = {"kdcache": kdcache, "numpy_held": numpy_held, "numpy_f32": numpy_f32, "numpy_raw": numpy_raw}
+    timed_rounds(sides, 1)  # warm-up
+    times = timed_rounds(sides, p["gather_repeats"])
+    rows = batches.size
+    rps = {k: rows / min(t) for k, t in times.items()}
+    med = {k: rows / statistics.median(t) for k, t in times.items()}
+    # The verdict compares with numpy fancy indexing of the very array the reader holds in RAM
+    # (float32: a float16 cache is widened once when that fits the memory budget). Two other
+    # baselines are printed: the stored float16 array (stricter: half the bytes to move, but no
+    # float32 output) and that array converted per batch (the same output as reader.get).
+    ratio = rps["kdcache"] / rps["numpy_held"]
+    raw16 = rps["kdcache"] / rps["numpy_raw"]
+    f32 = rps["kdcache"] / rps["numpy_f32"]
+    res = {"n": n, "c": c, "dtype": "float16", "batch": BATCH, "batches": int(batches.shape[0]),
+           "repeats": p["gather_repeats"], "rows_per_s_best": rps, "rows_per_s_median": med,
+           "us_per_batch_best": {k: 1e6 * min(t) / batches.shape[0] for k, t in times.items()},
+           "gather_vs_numpy": ratio, "gather_vs_numpy_float16_array": raw16, "gather_vs_numpy_f32": f32,
+           "held_dtype": str(held.dtype),
+           "ratio_baseline": "numpy_held: arr[batch] on the array the reader holds in RAM"}
+    table = md_table(
+        ["N x C (fp16)", "kdcache get", f"numpy held[b] ({held.dtype})", "numpy arr16[b]",
+         "numpy arr16[b].astype(f32)", "gather_vs_numpy", "vs arr16[b]", "vs arr16[b].astype(f32)", "floor",
+         "verdict"],
+        [[f"{n:,} x {c}", rate(rps["kdcache"]), rate(rps["numpy_held"]), rate(rps["numpy_raw"]),
+          rate(rps["numpy_f32"]), f"{ratio:.2f}", f"{raw16:.2f}", f"{f32:.2f}", f">= {FLOORS['gather_vs_numpy']}",
+          verdict(ratio, FLOORS["gather_vs_numpy"])]])
+    note = (f"rows/s; {batches.shape[0]} random batches of {BATCH} (shuffled epochs), best of "
+            f"{p['gather_repeats']} interleaved runs. gather_vs_numpy = reader.get vs numpy fancy indexing of "
+            f"the same array the reader holds in RAM ({held.dtype}: a float16 cache is widened once when that fits "
+            f"the memory budget, so get() returns float32 with one gather). Also shown: vs indexing the stored "
+            f"float16 array (no float32 output) and vs indexing it then converting to float32 (same output).")
+    return res, table, note, (spec, path, reader, batches, rps["kdcache"])
+
+
+# -- 2. gather vs one file per sample ------------------------------------------------------------
+def bench_vs_per_sample_files(root, p, rng):
+    n, c = p["files_n"], 100
+    logits = teacher_logits(rng, n, c)
+    spec, path = build_cache(root, logits, tag="files")
+    reader = CacheReader(path, spec=spec, memory_budget=None)
+    rows16 = logits.astype(np.float16)  # the very rows the cache holds, one file each
+    del logits
+    fdir = tempfile.mkdtemp(prefix="per-sample-", dir=root)
+    try:
+        t0 = time.perf_counter()
+        for i in range(n):
+            np.save(os.path.join(fdir, f"{i}.npy"), rows16[i])
+        write_s = time.perf_counter() - t0
+        del rows16
+        batches = epoch_batches(rng, n, p["gather_batches"])
+        few = batches[:p["files_batches"]]
+
+        def load(b):
+            return np.stack([np.load(os.path.join(fdir, f"{i}.npy")) for i in b]).astype(np.float32)
+
+        for b in few[:2]:
+            if not np.array_equal(reader.get(b), load(b)):
+                raise RuntimeError("bench: reader.get() and the per-sample files disagree")
+
+        def kdcache():
+            for b in batches:
+                reader.get(b)
+
+        def per_file():
+            for b in few:
+                load(b)
+
+        timed_rounds({"kdcache": kdcache, "per_file": per_file}, 1)  # warm-up
+        times = timed_rounds({"kdcache": kdcache, "per_file": per_file}, p["files_repeats"])
+    finally:
+        shutil.rmtree(fdir, ignore_errors=True)
+        reader.close()
+        os.unlink(path + ".h5")
+    rps = {"kdcache": batches.size / min(times["kdcache"]), "per_file": few.size / min(times["per_file"])}
+    ratio = rps["kdcache"] / rps["per_file"]
+    res = {"n": n, "c": c, "dtype": "float16", "batch": BATCH, "batches_kdcache": int(batches.shape[0]),
+           "batches_per_file": int(few.shape[0]), "repeats": p["files_repeats"], "rows_per_s_best": rps,
+           "per_file_write_s": write_s, "gather_vs_per_sample_files": ratio, "page_cache": "warm (both sides)"}
+    table = md_table(
+        ["N x C (fp16)", "kdcache get rows/s", "one .npy per sample rows/s", "gather_vs_per_sample_files",
+         "floor", "verdict"],
+        [[f"{n:,} x {c}", rate(rps["kdcache"]), rate(rps["per_file"]), f"{ratio:.0f}",
+          f">= {FLOORS['gather_vs_per_sample_files']:.0f}", verdict(ratio, FLOORS["gather_vs_per_sample_files"])]])
+    note = (f"Per-sample side: np.save of each float16 row ({n:,} files, written in {write_s:.1f} s), "
+            f"np.load + np.stack + astype(float32) per batch, {few.shape[0]} batches; kdcache side: "
+            f"{batches.shape[0]} batches from the same seeded list (the first {few.shape[0]} are the "
+            f"per-file batches). Both warm in the page cache (it cannot be dropped here). torchdistill "
+            f"saved float32 .pt files with torch.save, which load slower than .npy.")
+    return res, table, note
+
+
+# -- 5. out-of-core gather ----------------------------------------------------------------------
+def bench_out_of_core(p, gather_ctx):
+    spec, path, _, batches, in_ram_rps = gather_ctx
+    few = batches[:p["ooc_batches"]]
+    with CacheReader(path, spec=spec, memory_budget=0) as reader:
+        if reader.in_ram:
+            raise RuntimeError("bench: memory_budget=0 still held the cache in RAM")
+        reader.get(few[0])  # warm-up: opens datasets, fills the page cache
+        times = timed_rounds({"out_of_core": lambda: [reader.get(b) for b in few]}, p["ooc_repeats"])
+    t = min(times["out_of_core"])
+    rps = few.size / t
+    res = {"n": spec.num_samples, "c": spec.num_classes, "batches": int(few.shape[0]),
+           "repeats": p["ooc_repeats"], "rows_per_s_best": rps, "ms_per_batch_best": 1e3 * t / few.shape[0],
+           "in_ram_rows_per_s": in_ram_rps, "in_ram_vs_out_of_core": in_ram_rps / rps}
+    table = md_table(["N x C (fp16)", "out-of-core rows/s", "ms / batch", "in-RAM rows/s (section 1)",
+                      "in-RAM / out-of-core"],
+                     [[f"{spec.num_samples:,} x {spec.num_classes}", rate(rps), f"{1e3 * t / few.shape[0]:.2f}",
+                       rate(in_ram_rps), f"{in_ram_rps / rps:.0f}x"]])
+    note = (f"CacheReader(memory_budget=0) on the finished .h5 of section 1, {few.shape[0]} of its batches, "
+            f"best of {p['ooc_repeats']}; file warm in the page cache. Informative, no floor.")
+    return res, table, note

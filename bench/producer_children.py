@@ -1,0 +1,90 @@
+"""The producer benchmark's MXNet processes: export its teacher, and the bare teacher loop it is compared with.
+
+    python -m bench.producer_children export --teacher PREFIX
+    python -m bench.producer_children bare --teacher PREFIX --dataset SPEC --batch-size B
+
+bench.producer starts both with one compute thread (bench.common.child_env); each prints one JSON line.
+"""
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+
+CLASSES = 10
+SHAPE = "3x32x32"
+TEACHER_WIDTHS = (32, 32, 64, 64)  # ~30 ms per forward of 128 images on one thread here
+
+
+def child_export(prefix):
+    """Build the benchmark's teacher and export it: PREFIX-symbol.json, PREFIX-0000.params."""
+    import mxnet as mx
+    from mxnet import gluon
+    mx.random.seed(0)
+    np.random.seed(0)
+    net = gluon.nn.HybridSequential(prefix="benchteacher_")  # explicit: same files every run
+    with net.name_scope():
+        for w in TEACHER_WIDTHS:
+            net.add(gluon.nn.Conv2D(w, 3, padding=1, use_bias=False), gluon.nn.BatchNorm(),
+                    gluon.nn.Activation("relu"), gluon.nn.MaxPool2D(2))
+        net.add(gluon.nn.GlobalAvgPool2D(), gluon.nn.Dense(CLASSES))
+    net.initialize(mx.init.Xavier())
+    net.hybridize()
+    net(mx.nd.zeros((1,) + tuple(int(s) for s in SHAPE.split("x")))).wait_to_read()
+    net.export(prefix, 0)
+    params = sum(int(np.prod(p.shape)) for p in net.collect_params().values())
+    print(json.dumps({"prefix": prefix, "parameters": params}))
+
+
+def child_bare(prefix, dataset_arg, batch):
+    """The teacher alone over every sample in key order, the loop produce_offline runs minus the store.
+
+    Set-up mirrors `python -m cache_builder`: load the data set, load the teacher, one probe
+    forward of two samples; then only the loop is timed, as produce_offline times its loop.
+    """
+    from pipeline.teacher import Teacher
+    from pipeline.augment import Augment, make_views
+    from pipeline.datasets import load_dataset
+    dataset = load_dataset(dataset_arg)
+    teacher = Teacher(prefix, batch_size=batch)
+    x, _ = dataset.get_batch([0, min(1, len(dataset) - 1)])
+    teacher.forward(x)
+    keys = np.arange(len(dataset), dtype=np.int64)  # views=1: flat key = sample index
+    augment = Augment()
+    views_s, forward_s = [], []
+    t0 = time.perf_counter()
+    for a in range(0, keys.size, batch):
+        idx = keys[a:a + batch]
+        t1 = time.perf_counter()
+        x, _ = make_views(dataset, idx, idx % 1, seed=0, augment=augment)
+        t2 = time.perf_counter()
+        teacher.forward(x)
+        forward_s.append(time.perf_counter() - t2)
+        views_s.append(t2 - t1)
+    seconds = time.perf_counter() - t0
+    full = [t for t, a in zip(forward_s, range(0, keys.size, batch)) if keys.size - a >= batch] or forward_s
+    print(json.dumps({"rows": int(keys.size), "seconds": seconds, "rows_per_s": keys.size / seconds,
+                      "forward_ms_per_batch_median": 1e3 * statistics.median(full),
+                      "forward_ms_per_batch_min": 1e3 * min(full),
+                      "make_views_ms_per_batch_median": 1e3 * statistics.median(views_s),
+                      "full_batches": len(full)}))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m bench.producer_children", description=__doc__.split("\n\n")[0])
+    ap.add_argument("child", choices=["export", "bare"])
+    ap.add_argument("--teacher", required=True, help="the teacher's checkpoint prefix (export: where to write it)")
+    ap.add_argument("--dataset", help="bare: the data set (a --dataset value of the cache builder)")
+    ap.add_argument("--batch-size", type=int, help="bare: rows per forward")
+    args = ap.parse_args(argv)
+    if args.child == "export":
+        child_export(args.teacher)
+    else:
+        child_bare(args.teacher, args.dataset, args.batch_size)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

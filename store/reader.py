@@ -13,10 +13,10 @@ from . import schema
 from .errors import (CacheNotFoundError, FingerprintMismatchError,
                      MissingTargetsError, ProducerGoneError)
 from .registry import base_path, final_path, parts_path, touch_used
+from .osutil import available_memory
 from .segment import (committed_rows, list_segments, lock_holders, open_final, open_swmr,
                       read_manifest, read_meta, read_segment_rows)
 from .spec import CacheSpec
-from .writer import available_memory
 
 
 class _Segment:
@@ -140,7 +140,7 @@ class CacheReader:
                     raise
                 if not self.in_ram:
                     self._seg_list.append(self._segs[p])
-        for sid, s in enumerate(self._segs.values()):
+        for s in self._segs.values():
             if s.closed:
                 continue
             rows, closed = committed_rows(s.file)

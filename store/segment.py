@@ -12,7 +12,7 @@ import h5py
 import numpy as np
 
 from . import schema
-from .errors import UnsupportedFormatError
+from .errors import FingerprintMismatchError, UnsupportedFormatError
 
 HOST = socket.gethostname()
 
@@ -132,6 +132,23 @@ def read_segment_rows(f, codec, start, stop):
         d.refresh()
         fields[name] = d[start:stop]
     return keys, fields
+
+
+def scan_done(parts_dir, spec):
+    """Boolean mask [num_keys] of keys some segment has committed (crashed segments included)."""
+    done = np.zeros(spec.num_keys, dtype=bool)
+    for seg in list_segments(parts_dir):
+        with open_swmr(seg) as f:
+            meta = read_meta(f, seg)
+            if meta.get(schema.A_FINGERPRINT) != spec.fingerprint:
+                raise FingerprintMismatchError(
+                    f"{seg} belongs to fingerprint {meta.get(schema.A_FINGERPRINT)}, not {spec.fingerprint}: "
+                    f"it was copied into the wrong cache; move it away")
+            rows, _ = committed_rows(f)
+            ks = f[schema.SEG_KEYS]
+            ks.refresh()
+            done[ks[:rows]] = True
+    return done
 
 
 def read_manifest(parts_dir):

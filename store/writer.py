@@ -3,39 +3,27 @@
 Each producer run appends to a fresh SWMR segment and never reopens a crashed file for
 writing (a stock `h5clear -s` truncated such files here). On open it reads what every earlier
 segment committed and owes only the rest of its shard's keys. When the last key of the cache
-is done, the segments are compacted into one key-ordered file `P.h5`, written under a
-temporary name, fsynced and renamed: its existence is the whole-cache "complete" marker.
+is done, the segments are compacted (compact.py) into one key-ordered file `P.h5`, written
+under a temporary name, fsynced and renamed: its existence is the whole-cache "complete" marker.
 """
-import contextlib
 import fcntl
 import gc
 import json
 import os
-import re
-import sys
 import threading
 import time
 
-import h5py
 import numpy as np
 
 from . import schema
+from .compact import finalize
 from .errors import (BadInputError, FingerprintMismatchError, StoreError, UnsupportedFormatError,
                      WriterBusyError)
-from .segment import (HOST, quiet_h5py_dealloc_errors, committed_rows, create_segment, list_segments, open_final, open_swmr,
-                      read_manifest, read_meta, read_segment_rows, write_json_atomic)
 from .fingerprint import is_fingerprint
+from .osutil import fs_error, stderr_silenced
 from .registry import base_path, final_path, parts_path
-
-
-def _fs_error(e, where, fix):
-    """One line naming the operating system's reason (h5py's messages hold it as 'error message')."""
-    reason = getattr(e, "strerror", None)
-    if not reason:
-        text = str(e)
-        m = re.search(r"error message = '([^']+)'", text)
-        reason = m.group(1) if m else text.splitlines()[0][:160]
-    return StoreError(f"{where}: {reason} ({type(e).__name__}): {fix}")
+from .segment import (HOST, create_segment, open_final, quiet_h5py_dealloc_errors, read_manifest, read_meta,
+                      scan_done, write_json_atomic)
 
 
 def check_final_matches(path, spec):
@@ -51,23 +39,6 @@ def check_final_matches(path, spec):
         if int(meta.get(schema.A_COMPLETE, 0)) != 1:
             raise UnsupportedFormatError(f"{path}: finished cache without its complete flag: it is "
                                          f"damaged; remove it and rebuild")
-
-
-def scan_done(parts_dir, spec, codec=None):
-    """Boolean mask [num_keys] of keys some segment has committed (crashed segments included)."""
-    done = np.zeros(spec.num_keys, dtype=bool)
-    for seg in list_segments(parts_dir):
-        with open_swmr(seg) as f:
-            meta = read_meta(f, seg)
-            if meta.get(schema.A_FINGERPRINT) != spec.fingerprint:
-                raise FingerprintMismatchError(
-                    f"{seg} belongs to fingerprint {meta.get(schema.A_FINGERPRINT)}, not {spec.fingerprint}: "
-                    f"it was copied into the wrong cache; move it away")
-            rows, _ = committed_rows(f)
-            ks = f[schema.SEG_KEYS]
-            ks.refresh()
-            done[ks[:rows]] = True
-    return done
 
 
 class CacheWriter:
@@ -132,13 +103,13 @@ class CacheWriter:
             raise StoreError(f"{self.parts} exists and is not a directory: remove it, or pass another "
                              f"--cache-dir") from None
         except OSError as e:
-            raise _fs_error(e, self.parts, "make the cache directory writable or pass another --cache-dir") from None
+            raise fs_error(e, self.parts, "make the cache directory writable or pass another --cache-dir") from None
         manifest = read_manifest(self.parts)
         if manifest is None:
             try:
                 write_json_atomic(os.path.join(self.parts, schema.MANIFEST), self.spec.meta())
             except OSError as e:
-                raise _fs_error(e, self.parts, "make the cache directory writable or pass another --cache-dir") from None
+                raise fs_error(e, self.parts, "make the cache directory writable or pass another --cache-dir") from None
         elif manifest.get(schema.A_FINGERPRINT) != self.spec.fingerprint:
             raise FingerprintMismatchError(
                 f"{self.parts} holds a cache in progress for fingerprint {manifest.get(schema.A_FINGERPRINT)}, "
@@ -149,7 +120,7 @@ class CacheWriter:
         try:
             fh = open(path, "a+")
         except OSError as e:
-            raise _fs_error(e, path, "make the cache directory writable or pass another --cache-dir") from None
+            raise fs_error(e, path, "make the cache directory writable or pass another --cache-dir") from None
         try:
             os.chmod(path, 0o644)
         except OSError:
@@ -272,9 +243,9 @@ class CacheWriter:
         except (OSError, RuntimeError) as e:  # disk full, size limit, I/O error: committed rows stay sound
             quiet_h5py_dealloc_errors()
             self._broken = str(e).splitlines()[0][:200]
-            raise _fs_error(e, self.segment_path, "free disk space (or lift the file size limit), then run "
-                                                  "the producer again: it resumes, and every row committed "
-                                                  "so far is kept") from None
+            raise fs_error(e, self.segment_path, "free disk space (or lift the file size limit), then run "
+                                                 "the producer again: it resumes, and every row committed "
+                                                 "so far is kept") from None
         self._rows = b
         self._todo[keys] = False
         self.rows_written += keys.size
@@ -286,8 +257,8 @@ class CacheWriter:
                                                            int(self._todo.sum()), self.shard, self.nshards)
         except OSError as e:
             quiet_h5py_dealloc_errors()
-            raise _fs_error(e, self.parts, "free disk space or make the cache directory writable, "
-                                           "then run the producer again: it resumes") from None
+            raise fs_error(e, self.parts, "free disk space or make the cache directory writable, "
+                                          "then run the producer again: it resumes") from None
         self._rows = 0
         # Dataset handles live as long as the segment: a handle closed after each write would
         # flush (and, on a full disk, fail) out of sight, in h5py's deallocator.
@@ -309,8 +280,8 @@ class CacheWriter:
                     self._file.close()
                 except (OSError, RuntimeError) as e:
                     self._broken = str(e).splitlines()[0][:200]
-                    raise _fs_error(e, self.segment_path, "free disk space, then run the producer again: "
-                                                          "it resumes") from None
+                    raise fs_error(e, self.segment_path, "free disk space, then run the producer again: "
+                                                         "it resumes") from None
                 finally:
                     self._file = None
             if not self.complete and self._lock_fh is not None:
@@ -322,7 +293,7 @@ class CacheWriter:
     def abort(self):
         """Close without compacting (what a crash leaves, minus the crash)."""
         if self._file is not None:
-            with _stderr_silenced(self._broken is not None):
+            with stderr_silenced(self._broken is not None):
                 self._dsets = None
                 try:
                     self._file.close()
@@ -341,121 +312,3 @@ class CacheWriter:
         else:
             self.abort()
         return False
-
-
-@contextlib.contextmanager
-def _stderr_silenced(active):
-    """Closing a segment after a failed write makes HDF5 retry its flushes, and h5py prints each
-    failure from a deallocator, straight to file descriptor 2. The writer has already raised one
-    clear error; keep those echoes off the terminal."""
-    if not active:
-        yield
-        return
-    sys.stderr.flush()
-    saved = os.dup(2)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 2)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
-
-
-def finalize(path, spec, *, memory_budget=None):
-    """If the segments at `path` cover every key, write the key-ordered cache file `P.h5` (temp
-    name, fsync, rename) and remove the segments. Returns True when the cache is complete."""
-    base = base_path(path)
-    final, parts = final_path(base), parts_path(base)
-    if os.path.exists(final):
-        return True
-    codec = spec.make_codec()
-    with open(os.path.join(parts, schema.COMPACT_LOCK), "a+") as lk:
-        fcntl.flock(lk.fileno(), fcntl.LOCK_EX)
-        if os.path.exists(final):
-            return True
-        if not scan_done(parts, spec).all():
-            return False
-        n, v, nk = spec.num_samples, spec.views, spec.num_keys
-        need = nk * codec.bytes_per_row
-        budget = memory_budget if memory_budget is not None else available_memory() // 2
-        tables, spill = {}, []
-        for name, shape, dtype in codec.fields:
-            if need <= budget:
-                tables[name] = np.empty((nk,) + tuple(shape), dtype=dtype)
-            else:  # larger than memory: scatter into a page-cached memmap instead
-                p = os.path.join(parts, f".compact-{name}.tmp")
-                tables[name] = np.memmap(p, dtype=dtype, mode="w+", shape=(nk,) + tuple(shape))
-                spill.append(p)
-        filled = np.zeros(nk, dtype=bool)
-        step = max(1, (64 << 20) // max(1, codec.bytes_per_row))
-        for seg in list_segments(parts):
-            with open_swmr(seg) as f:
-                rows, _ = committed_rows(f)
-                for a in range(0, rows, step):
-                    keys, fields = read_segment_rows(f, codec, a, min(rows, a + step))
-                    new = ~filled[keys]  # duplicates (overlapping shard layouts) hold equal rows
-                    keys = keys[new]
-                    for name in tables:
-                        tables[name][keys] = fields[name][new]
-                    filled[keys] = True
-        tmp = f"{final}.tmp-{os.getpid()}"
-        try:
-            with h5py.File(tmp, "w") as out:
-                for k, val in spec.meta().items():
-                    out.attrs[k] = val
-                out.attrs[schema.A_KIND] = schema.KIND_CACHE
-                out.attrs[schema.A_COMPLETE] = 1
-                for name, shape, dtype in codec.fields:
-                    d = out.create_dataset(name, shape=(n, v) + tuple(shape), dtype=dtype)
-                    src = tables[name].reshape((n, v) + tuple(shape))
-                    rstep = max(1, step // v)
-                    for a in range(0, n, rstep):
-                        d[a:a + rstep] = src[a:a + rstep]
-                out.create_dataset(schema.DONE, data=np.ones((n, v), dtype=np.uint8))
-            with open(tmp, "rb+") as fh:
-                os.fsync(fh.fileno())
-            os.replace(tmp, final)
-            _fsync_dir(os.path.dirname(final) or ".")
-        except OSError as e:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise _fs_error(e, final, "free disk space, then run the producer again: every row is kept "
-                                      "in the segments and compaction is retried") from None
-        finally:
-            for p in spill:
-                try:
-                    os.unlink(p)
-                except OSError:
-                    pass
-    import shutil
-    shutil.rmtree(parts, ignore_errors=True)
-    return True
-
-
-def _fsync_dir(d):
-    try:
-        fd = os.open(d, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def available_memory():
-    """MemAvailable from /proc/meminfo in bytes (a conservative 1 GiB if unknown)."""
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 1 << 30

@@ -4,49 +4,58 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-# Options passed through to the tools (empty = the tool's default).
-DATASET    ?= digits
+# Options passed to the tools when set. Empty means the tool's own default: every option the
+# producer and the trainer share is declared once, with its default, in pipeline/options.py
+# (`kdcache options` prints them), so nothing here restates a default.
+DATASET    ?=
 DATA_ROOT  ?=
-TEACHER    ?= teachers/digits
+TEACHER    ?=
 CACHE_DIR  ?=
-VIEWS      ?= 1
-CODEC      ?= full
-SEED       ?= 0
-EPOCHS     ?= 30
-BATCH_SIZE ?= 64
+VIEWS      ?=
+CODEC      ?=
+SEED       ?=
+EPOCHS     ?=
+BATCH_SIZE ?=
 THREADS    ?=
-SHARDS     ?= 1
-STUDENT    ?= mlp128
-T          ?= 20
-ALPHA      ?= 0.5
+SHARDS     ?=
+STUDENT    ?=
+T          ?=
+ALPHA      ?=
 RUN        ?=
-TEACHER_MODE ?= cache
-WORKERS    ?= 2
+TEACHER_MODE ?=
+WORKERS    ?=
 PYTEST_ARGS ?=
 QUICK ?=
+KDCACHE := $(VENV)/bin/kdcache
 DEFAULT_TEACHER := teachers/digits
 
-# The options both sides share: the producer and the trainer derive the same schedule from them.
-SHARED_OPTS = --dataset $(DATASET) $(if $(DATA_ROOT),--data-root $(DATA_ROOT)) \
-	$(if $(CACHE_DIR),--cache-dir $(CACHE_DIR)) --views $(VIEWS) --codec $(CODEC) --seed $(SEED) \
-	--batch-size $(BATCH_SIZE)
-PRODUCER_OPTS = --teacher $(TEACHER) $(SHARED_OPTS) $(if $(THREADS),--threads $(THREADS))
-# The default teacher is built when a target needs it and it is missing.
-TEACHER_DEP = $(if $(filter $(DEFAULT_TEACHER),$(TEACHER)),$(DEFAULT_TEACHER)-symbol.json)
+# opt(VARIABLE, FLAG): the flag and the variable's value when the variable is set.
+opt = $(if $($(1)),$(2) $($(1)))
+# The options both sides share (pipeline.options.SHARED): the producer and the trainer derive the
+# same cache and the same schedule from them.
+SHARED_OPTS = $(call opt,TEACHER,--teacher) $(call opt,DATASET,--dataset) $(call opt,DATA_ROOT,--data-root) \
+	$(call opt,CACHE_DIR,--cache-dir) $(call opt,VIEWS,--views) $(call opt,CODEC,--codec) $(call opt,SEED,--seed) \
+	$(call opt,EPOCHS,--epochs) $(call opt,BATCH_SIZE,--batch-size)
+PRODUCER_OPTS = $(SHARED_OPTS) $(call opt,THREADS,--threads) $(call opt,SHARDS,--shards)
+TRAINER_OPTS = $(SHARED_OPTS) $(call opt,STUDENT,--student) $(call opt,TEACHER_MODE,--teacher-mode) \
+	$(call opt,T,--temperature) $(call opt,ALPHA,--alpha) $(call opt,RUN,--run)
+# The default teacher is built when a target needs it (no TEACHER given) and it is missing.
+TEACHER_DEP = $(if $(TEACHER),,$(if $(filter-out digits,$(DATASET)),,$(DEFAULT_TEACHER)-symbol.json))
 
-export PYTHONPATH := $(CURDIR)
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: help setup test test-fast torture bench bench-kd bench-store bench-producer bench-sizing caches teacher cache cache-online train train-dist clean
+.PHONY: help options setup test test-fast torture bench bench-kd bench-store bench-producer bench-sizing caches teacher cache cache-online train train-dist clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s "$$(printf '\t')"
 
 setup: $(STAMP)  ## create .venv and install the pinned dependencies (quick when done)
 
-$(STAMP): requirements.txt
+# The project is installed into .venv (editable): the `kdcache` command and the packages work from
+# any directory, with no PYTHONPATH. Dependencies are pinned in pyproject.toml.
+$(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt numpy==1.23.5
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,bench]' numpy==1.23.5
 	$(PY) -c "import mxnet, numpy, h5py; assert numpy.__version__ == '1.23.5', numpy.__version__"
 	touch $(STAMP)
 
@@ -80,25 +89,25 @@ bench-store: setup  ## store micro-benchmarks: gather, write order, codec sizes 
 teacher: setup $(DEFAULT_TEACHER)-symbol.json  ## train and export the default digits teacher (teachers/digits-*) if missing
 
 $(DEFAULT_TEACHER)-symbol.json: | $(STAMP)
-	$(PY) -m trainer.make_teacher --dataset digits --out $(DEFAULT_TEACHER)
+	$(KDCACHE) teacher --dataset digits --out $(DEFAULT_TEACHER)
 
 cache: setup $(TEACHER_DEP)  ## fill a cache offline: every (sample, view) of DATASET with TEACHER
-	$(PY) -m cache_builder $(PRODUCER_OPTS)
+	$(KDCACHE) cache $(PRODUCER_OPTS)
 
 cache-online: setup $(TEACHER_DEP)  ## producer following the training schedule (EPOCHS, SEED, BATCH_SIZE; SHARDS=n shard processes)
-	$(PY) -m cache_builder --online --epochs $(EPOCHS) $(PRODUCER_OPTS) $(if $(filter-out 1,$(SHARDS)),--shards $(SHARDS))
+	$(KDCACHE) cache --online $(PRODUCER_OPTS)
 
 train: setup $(TEACHER_DEP)  ## train STUDENT with KD from the cache (starts a producer when needed)
-	$(PY) -m trainer --student $(STUDENT) --teacher $(TEACHER) --teacher-mode $(TEACHER_MODE) $(SHARED_OPTS) \
-	  --temperature $(T) --alpha $(ALPHA) --epochs $(EPOCHS) $(if $(RUN),--run $(RUN)) $(if $(THREADS),--threads $(THREADS))
+	$(KDCACHE) train $(TRAINER_OPTS) $(call opt,THREADS,--threads)
 
 train-dist: setup $(TEACHER_DEP)  ## distributed training: a scheduler, a server and WORKERS workers (dist_sync) on this machine
-	$(PY) -m trainer.launch --workers $(WORKERS) -- --student $(STUDENT) --teacher $(TEACHER) \
-	  --teacher-mode $(TEACHER_MODE) $(SHARED_OPTS) --temperature $(T) --alpha $(ALPHA) --epochs $(EPOCHS) \
-	  $(if $(RUN),--run $(RUN))
+	$(KDCACHE) launch $(call opt,WORKERS,--workers) -- $(TRAINER_OPTS)
 
 caches: setup  ## list the caches in the cache directory (CACHE_DIR=...)
-	$(PY) -m store ls $(if $(CACHE_DIR),--cache-dir $(CACHE_DIR))
+	$(KDCACHE) ls $(call opt,CACHE_DIR,--cache-dir)
+
+options: setup  ## the options the producer and the trainer share, with their defaults and Make variables
+	$(KDCACHE) options
 
 clean:  ## remove the virtual environment and Python caches (caches/ and runs/ are kept)
 	rm -rf $(VENV) .pytest_cache

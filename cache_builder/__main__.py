@@ -7,6 +7,9 @@ import signal
 import sys
 import time
 
+from kdcache.args import Int, Name, Option, Parser, add_options
+from pipeline.options import SHARED, Shard, check_views, resolve_teacher
+
 DESCRIPTION = """\
 Run a frozen MXNet teacher forward on the CPU over a data set and store its raw logits
 (temperature 1) in a cache named by the fingerprint of the teacher, the data, the views and the
@@ -16,63 +19,57 @@ Offline (default) fills every (sample, view); --online follows the training sche
 reads them. Interrupted runs (Ctrl-C, kill -9) resume where they stopped."""
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m cache_builder", description=DESCRIPTION,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    g = p.add_argument_group("teacher")
-    g.add_argument("--teacher", required=True, metavar="PREFIX[:EPOCH]",
-                   help="MXNet checkpoint: PREFIX-symbol.json + PREFIX-NNNN.params (latest epoch if none)")
-    g.add_argument("--teacher-input", metavar="NAME", help="the teacher's image input (found when there is one)")
-    g.add_argument("--teacher-mean", metavar="M[,M,M]", help="per-channel mean subtracted from [0,1] images")
-    g.add_argument("--teacher-std", metavar="S[,S,S]", help="per-channel std the images are divided by")
-    g.add_argument("--teacher-size", metavar="HxW", help="resize images to this size for the teacher")
-    g = p.add_argument_group("data")
-    g.add_argument("--dataset", default="digits",
-                   help="digits (default, embedded) | synthetic[:n=..,classes=..,shape=CxHxW,seed=..] | mnist | "
-                        "fashion-mnist | cifar10 | cifar100 | npz | recordio | imagefolder")
-    g.add_argument("--data-root", metavar="PATH", help="local files of the data set (nothing is downloaded)")
-    g.add_argument("--split", default="train", choices=["train", "test"])
-    g.add_argument("--image-size", metavar="HxW", help="resize decoded images (recordio, imagefolder)")
-    g.add_argument("--num-classes", type=int, help="class count when the files do not say (npz, recordio)")
-    g.add_argument("--views", type=int, default=1, help="augmented views per sample; epoch e uses view e mod V (default 1)")
-    g.add_argument("--augment", default="auto",
-                   help="none | crop:PAD | flip | crop:PAD,flip; auto = none for 1 view, else the data set's usual")
-    g.add_argument("--seed", type=int, default=0, help="seed of the schedule and of the augmentation (default 0)")
-    g = p.add_argument_group("cache")
-    g.add_argument("--cache-dir", help="cache directory (default: $KDCACHE_DIR, else ./caches)")
-    g.add_argument("--cache", metavar="PATH", help="explicit cache path instead of <cache-dir>/<fingerprint>")
-    g.add_argument("--codec", default="full", help="full (raw logits) | topk:K (default full)")
-    g.add_argument("--dtype", default="float16", choices=["float16", "float32"], help="storage type (default float16)")
-    g = p.add_argument_group("producing")
-    g.add_argument("--online", action="store_true", help="follow the training schedule instead of key order")
-    g.add_argument("--epochs", type=int, default=1, help="epochs of the schedule to follow with --online (default 1)")
-    g.add_argument("--batch-size", type=int, default=128, help="teacher batch = training batch (default 128)")
-    g.add_argument("--threads", type=int, help="teacher compute threads (default: all cores but one, left to the trainer)")
-    g.add_argument("--shard", default="0/1", metavar="i/n", help="fill only keys with key mod n = i (n producers)")
-    g.add_argument("--shards", type=int, default=1, metavar="N",
-                   help="fork N shard producers after loading the data set once (each --threads, default "
-                        "cores/N); the same as N commands with --shard 0/N .. N-1/N, minus N-1 start-ups")
-    g.add_argument("--ring", metavar="NAME", help="stream to the shared-memory ring NAME instead of a cache file "
-                   "(pure streaming: keys are (sample, epoch), nothing is persisted; implies --online)")
-    g.add_argument("--ring-capacity", type=int, metavar="ROWS",
-                   help="create the ring with this many rows (default: attach to the ring the trainer made)")
-    p.add_argument("--timeline", metavar="FILE", help="with --online/--ring: write (time, schedule position, rows) "
-                   "per step to FILE as JSON when done")
-    p.add_argument("--json", action="store_true", help="end with one JSON line: cache_path, fingerprint, rows_written, ...")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    return p.parse_args(argv)
+PRODUCER = [
+    Option("--split", "which split of the data set to run the teacher on", choices=("train", "test"),
+           default="train", group="producing"),
+    Option("--online", "follow the training schedule (--seed, --epochs, --batch-size, --views: the trainer's) "
+           "instead of key order", action="store_true", group="producing"),
+    Option("--threads", "teacher compute threads (default: all cores but one, left to the trainer; "
+           "cores/N with --shards N)", type=Int(1, 1024), metavar="N", group="producing", make="THREADS"),
+    Option("--shard", "fill only the keys with key mod n = i (n producers share the work)", type=Shard(),
+           default="0/1", metavar="i/n", group="producing"),
+    Option("--shards", "fork N shard producers after loading the data set once (each --threads, default "
+           "cores/N); the same as N commands with --shard 0/N .. N-1/N, minus N-1 start-ups", type=Int(1, 256),
+           default=1, metavar="N", group="producing", make="SHARDS"),
+    Option("--ring", "stream to the shared-memory ring NAME instead of a cache file (pure streaming: keys are "
+           "(sample, epoch), nothing is persisted; implies --online)", type=Name(), metavar="NAME",
+           group="producing"),
+    Option("--ring-capacity", "create the ring with this many rows (default: attach to the ring the trainer "
+           "made)", type=Int(1, 1 << 28), metavar="ROWS", group="producing"),
+    Option("--timeline", "with --online/--ring: write (time, schedule position, rows) per step to FILE as JSON "
+           "when done", metavar="FILE", group="output"),
+    Option("--json", "end with one JSON line: cache_path, fingerprint, rows_written, teacher_forwards, ...",
+           action="store_true", group="output"),
+    Option("--result", "write that JSON result to FILE too (atomically), for a program that started this one",
+           metavar="FILE", group="output"),
+    Option("--quiet", "no progress bar", action="store_true", group="output"),
+]
 
 
-def _shard(s):
-    try:
-        i, n = (int(v) for v in s.split("/"))
-    except ValueError:
-        raise ValueError(f"--shard {s!r}: use i/n, e.g. 0/2") from None
-    return i, n
+def build_parser(prog="python -m cache_builder"):
+    p = Parser(prog=prog, description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_options(p, SHARED + PRODUCER, cache={"help": "explicit cache path instead of <cache-dir>/<fingerprint>"})
+    return p
 
 
-def main(argv=None):
-    args = parse_args(argv)
+def parse_args(argv=None, prog="python -m cache_builder"):
+    """The options, checked: a mistake exits here with one line and status 2, before anything runs."""
+    p = build_parser(prog)
+    args = p.parse_args(argv)
+    resolve_teacher(args, p)
+    check_views(args, p)
+    if args.ring and (args.shards > 1 or args.shard != "0/1"):
+        p.error("argument --ring: a ring streams from one producer; drop --shard/--shards")
+    if args.shards > 1 and args.shard != "0/1":
+        p.error(f"argument --shards: --shards {args.shards} forks shards 0/{args.shards} .. "
+                f"{args.shards - 1}/{args.shards} itself; drop --shard")
+    if args.split == "test" and (args.online or args.ring):
+        p.error("argument --split: the test split is filled offline; drop --online/--ring")
+    return args
+
+
+def main(argv=None, prog="python -m cache_builder"):
+    args = parse_args(argv, prog)
     # Threads must be fixed before MXNet is imported: only OMP_NUM_THREADS limits its compute.
     from cache_builder.produce import default_threads
     default, cores = default_threads()
@@ -87,7 +84,7 @@ def main(argv=None):
              threads, cores, max(0, cores - threads), threads)
     from store import StoreError
     from pipeline.datasets import DatasetError
-    from pipeline.cachespec import TeacherError
+    from pipeline.checkpoint import TeacherError
     try:
         return run(args, log)
     except (StoreError, DatasetError, TeacherError, ValueError) as e:
@@ -113,13 +110,12 @@ def write_timeline(path, timeline):
 
 
 def run(args, log):
-    from pipeline.cachespec import TeacherOptions, spec_from_args
+    from pipeline.cachespec import spec_from_args
+    from pipeline.checkpoint import TeacherOptions
     from pipeline.datasets import load_dataset
     from store import path_for
 
-    if args.batch_size < 1 or args.views < 1 or args.epochs < 1:
-        raise ValueError("--batch-size, --views and --epochs must be at least 1")
-    shard = _shard(args.shard)
+    shard = tuple(int(v) for v in args.shard.split("/"))
     topt = TeacherOptions.from_args(args)
     t0 = time.perf_counter()
     dataset = load_dataset(args.dataset, data_root=args.data_root, split=args.split,
@@ -133,14 +129,10 @@ def run(args, log):
               "teacher_forwards": 0, "reused": False, "complete": False, "shard": args.shard}
     timeline = [] if args.timeline else None
     if args.ring:
-        if args.shards > 1 or args.shard != "0/1":
-            raise ValueError("--ring streams from one producer: drop --shard/--shards")
         try:
             return run_ring(args, log, topt, dataset, augment, spec, result, timeline)
         finally:
             write_timeline(args.timeline, timeline)
-    if args.shards < 1:
-        raise ValueError("--shards must be at least 1")
     if args.shards > 1:
         return run_shards(args, log, path, spec, result, t0,
                           lambda i: fill(args, log, (i, args.shards), path, spec, dataset, augment, topt,
@@ -154,9 +146,18 @@ def report(args, log, spec, result):
              "complete" if result["complete"] else "in progress", result["cache_path"], spec.fingerprint,
              result["rows_written"], result["teacher_forwards"])
     print(result["cache_path"])
-    if args.json:
-        print(json.dumps(result))
+    emit(args, result)
     return 0
+
+
+def emit(args, result):
+    """The result as one JSON line (--json) and as a file (--result) the parent process reads."""
+    if args.json:
+        print(json.dumps(result), flush=True)
+    if args.result:
+        with open(args.result + ".tmp", "w") as fh:
+            json.dump(result, fh)
+        os.replace(args.result + ".tmp", args.result)
 
 
 def run_shards(args, log, path, spec, result, t0, fill_shard):
@@ -165,8 +166,6 @@ def run_shards(args, log, path, spec, result, t0, fill_shard):
     A shard that fails or dies stops the others at once (SIGINT: each commits what it wrote and
     leaves), so a trainer reading behind them gets a clear error instead of waiting for rows
     that no shard will write; running the same command again resumes every shard."""
-    if args.shard != "0/1":
-        raise ValueError("--shards N forks shards 0/N .. N-1/N itself: drop --shard")
     from pipeline.children import die_with_parent
     parent = os.getpid()
     children = {}
@@ -241,6 +240,8 @@ def run_shards(args, log, path, spec, result, t0, fill_shard):
 def fill(args, log, shard, path, spec, dataset, augment, topt, result, t0, timeline):
     """Fill this shard of the cache (offline or following the schedule); returns the result dict."""
     from cache_builder.produce import CacheSink, produce_offline, produce_online
+    from pipeline.schedule import EpochDigests
+    from pipeline.teacher import check_fits, load_teacher
     from store import CacheWriter
     args_shard = f"{shard[0]}/{shard[1]}"
     writer = CacheWriter(path, spec, shard=shard)
@@ -252,12 +253,14 @@ def fill(args, log, shard, path, spec, dataset, augment, topt, result, t0, timel
         else:
             log.info("cache %s: %d of %d rows to compute (shard %s)", spec.fingerprint, writer.remaining,
                      spec.num_keys, args_shard)
-            teacher = topt.load(args.batch_size)
-            check_classes(teacher, dataset)
+            teacher = load_teacher(topt, args.batch_size)
+            check_fits(teacher, dataset)
             if args.online:
+                digests = EpochDigests(len(dataset), args.batch_size)
                 stats = produce_online(teacher, dataset, CacheSink(writer), seed=args.seed, augment=augment,
                                        batch_size=args.batch_size, epochs=args.epochs, progress=not args.quiet,
-                                       timeline=timeline)
+                                       timeline=timeline, digests=digests)
+                result["schedule_sha256"] = digests.complete()
             else:
                 stats = produce_offline(teacher, dataset, writer, seed=args.seed, augment=augment,
                                         batch_size=args.batch_size, progress=not args.quiet)
@@ -274,20 +277,10 @@ def fill(args, log, shard, path, spec, dataset, augment, topt, result, t0, timel
     return result
 
 
-def check_classes(teacher, dataset):
-    """Run two samples through the teacher: its output must be [batch, classes of the data set]."""
-    from pipeline.cachespec import TeacherError
-    x, _ = dataset.get_batch([0, min(1, len(dataset) - 1)])
-    classes = teacher.forward(x).shape[1]
-    teacher.forwards = 0
-    if classes != dataset.num_classes:
-        raise TeacherError(f"the teacher predicts {classes} classes, data set {dataset.name} has "
-                           f"{dataset.num_classes}: pass the teacher trained for this data set (or --num-classes)")
-
-
 def run_ring(args, log, topt, dataset, augment, spec, result, timeline):
     """Stream the schedule's targets into a shared-memory ring (the trainer reads and frees them)."""
     from cache_builder.produce import RingSink, produce_online
+    from pipeline.teacher import check_fits, load_teacher
     from store.ring import RingWriter
     create = args.ring_capacity is not None
     ring = RingWriter(args.ring, create=create, capacity=args.ring_capacity, num_classes=spec.num_classes,
@@ -297,8 +290,8 @@ def run_ring(args, log, topt, dataset, augment, spec, result, timeline):
              ring.name, ring.capacity, args.epochs)
     ok = False
     try:
-        teacher = topt.load(args.batch_size)
-        check_classes(teacher, dataset)
+        teacher = load_teacher(topt, args.batch_size)
+        check_fits(teacher, dataset)
         stats = produce_online(teacher, dataset, RingSink(ring, spec), seed=args.seed, augment=augment,
                                batch_size=args.batch_size, epochs=args.epochs, progress=not args.quiet,
                                timeline=timeline)
@@ -309,8 +302,7 @@ def run_ring(args, log, topt, dataset, augment, spec, result, timeline):
                   rows_per_s=round(stats.rows_per_s, 1), complete=True)
     log.info("ring %s: streamed %d rows", ring.name, stats.rows_written)
     print(ring.name)
-    if args.json:
-        print(json.dumps(result))
+    emit(args, result)
     return 0
 
 

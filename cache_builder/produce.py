@@ -102,13 +102,14 @@ class RingSink:
 
 
 def produce_online(teacher, dataset, sink, *, seed, augment, batch_size, epochs, start_epoch=0,
-                   progress=True, report_every_s=0.5, timeline=None):
+                   progress=True, report_every_s=0.5, timeline=None, digests=None):
     """Follow the training schedule: each step's keys, skipping those already cached.
 
     With a persistent cache the producer runs as far ahead as it can; with the ring buffer the
     writer blocks when the ring is full (back-pressure). The trainer's position, when it
     reports one, is shown as the producer's lead in steps. `timeline`, a list, receives
-    (unix time, schedule position, rows computed) after each step.
+    (unix time, schedule position, rows computed) after each step; `digests`, a
+    pipeline.schedule.EpochDigests, the keys of each step followed.
     """
     spec = sink.spec
     n = spec.num_samples
@@ -123,6 +124,8 @@ def produce_online(teacher, dataset, sink, *, seed, augment, batch_size, epochs,
     try:
         for st in schedule(seed, epochs, n, batch_size, spec.views, start_epoch):
             need = sink.need(st.indices, st.view, st.epoch)
+            if digests is not None:
+                digests.add(st)
             if need.any():
                 idx = st.indices[need]
                 t1 = time.perf_counter()

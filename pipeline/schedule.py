@@ -5,6 +5,7 @@ writes keys in exactly the order the trainer will read them. Correctness never d
 targets are found by key; order only decides whether the trainer waits.
 """
 import dataclasses
+import hashlib
 
 import numpy as np
 
@@ -44,3 +45,26 @@ def schedule(seed, epochs, n, batch_size, views=1, start_epoch=0):
 
 def steps_per_epoch(n, batch_size):
     return -(-int(n) // int(batch_size))
+
+
+class EpochDigests:
+    """SHA-256 of the (sample, view) keys each epoch of a schedule visits, in order.
+
+    The producer reports the digests of the epochs it followed and the trainer those it read:
+    equal digests show that both walked the same schedule, key for key."""
+
+    def __init__(self, n, batch_size):
+        self.steps = steps_per_epoch(n, batch_size)
+        self._h, self._count = {}, {}
+
+    def add(self, st):
+        h = self._h.get(st.epoch)
+        if h is None:
+            h = self._h[st.epoch] = hashlib.sha256()
+        h.update(np.asarray(st.indices, dtype="<i8").tobytes())
+        h.update(int(st.view).to_bytes(8, "little"))
+        self._count[st.epoch] = self._count.get(st.epoch, 0) + 1
+
+    def complete(self):
+        """{epoch (as a string, for JSON): digest} of every epoch followed from its first step to its last."""
+        return {str(e): h.hexdigest()[:20] for e, h in sorted(self._h.items()) if self._count[e] == self.steps}

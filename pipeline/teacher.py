@@ -4,10 +4,11 @@ Shared by the producer (cache_builder) and by the trainer's inline mode, so both
 teacher's logits with the same code; the producer is the one that caches them.
 """
 import json
+import re
 
 import numpy as np
 
-from .cachespec import TeacherError, checkpoint_files, teacher_identity
+from .checkpoint import TeacherError, checkpoint_files
 
 
 class Teacher:
@@ -74,14 +75,6 @@ class Teacher:
         self._execs = {}
         self.forwards = 0  # samples run through the teacher
         self.num_classes = None
-        self._identity = None
-
-    def identity(self):
-        """What the fingerprint records of the teacher (pipeline.cachespec.teacher_identity)."""
-        if self._identity is None:
-            self._identity = teacher_identity(self.prefix, self.epoch, input_name=self._input_arg,
-                                              mean=self.mean, std=self.std, size=self.size)
-        return self._identity
 
     def _preprocess(self, x):
         if self.size is not None and tuple(x.shape[2:]) != self.size:
@@ -100,8 +93,10 @@ class Teacher:
             try:
                 ex = self._sym.simple_bind(mx.cpu(), grad_req="null", **{self.input_name: shape})
             except Exception as e:
-                raise TeacherError(f"the teacher cannot take inputs of shape {shape} ({_first_line(e)}): check "
-                                   f"--dataset, --image-size or --teacher-size") from None
+                raise TeacherError(f"the teacher cannot take the data set's images of shape "
+                                   f"{'x'.join(map(str, shape[1:]))}: {_shape_mismatch(e, self._args)}; pass "
+                                   f"the teacher trained for this data set, or --teacher-size HxW / "
+                                   f"--image-size HxW to resize the images") from None
             ex.copy_params_from(self._args, self._auxs, allow_extra_params=True)
             self._execs[shape] = ex
         return ex
@@ -132,6 +127,31 @@ class Teacher:
         return self.forward(x[:2]).shape[1]
 
 
+def check_fits(teacher, dataset):
+    """Before the first batch: the teacher takes the data set's images and predicts its classes.
+
+    Runs two samples; a mistake is one TeacherError naming both sides (the data set's image
+    shape and what the teacher expects), never MXNet's own trace."""
+    shape = tuple(dataset.get_batch([0])[0].shape[1:])
+    for what, vals in (("--teacher-mean", teacher.mean), ("--teacher-std", teacher.std)):
+        if vals is not None and len(vals) not in (1, shape[0]):
+            raise TeacherError(f"{what} has {len(vals)} values, the data set {dataset.name}'s images have "
+                               f"{shape[0]} channel(s) ({'x'.join(map(str, shape))}): give one value, or one "
+                               f"per channel")
+    x, _ = dataset.get_batch([0, min(1, len(dataset) - 1)])
+    classes = teacher.forward(x).shape[1]
+    teacher.forwards = 0
+    if classes != dataset.num_classes:
+        raise TeacherError(f"the teacher predicts {classes} classes, data set {dataset.name} has "
+                           f"{dataset.num_classes}: pass the teacher trained for this data set (or --num-classes)")
+
+
+def load_teacher(topt, batch_size):
+    """The runnable teacher a pipeline.checkpoint.TeacherOptions names (imports MXNet)."""
+    return Teacher(topt.prefix, topt.epoch, input_name=topt.input_name, mean=topt.mean, std=topt.std,
+                   size=topt.size, batch_size=batch_size)
+
+
 def _logits_output(sym):
     """If the graph ends in a softmax, return the symbol feeding it (the logits)."""
     try:
@@ -145,6 +165,20 @@ def _logits_output(sym):
         if children is not None:
             return children[0], f"input of {op}"
     return sym, "output"
+
+
+def _shape_mismatch(e, params):
+    """What the teacher expected, from MXNet's shape-inference error: the layer and both shapes."""
+    msg = str(e)
+    op = re.search(r"Error in operator (\S+?):", msg)
+    got = re.search(r"Provided\s*=\s*(\[[^\]]*\])\s*,\s*inferred shape\s*=\s*(\([^)]*\))", msg)
+    if op and got:
+        layer = re.sub(r"_fwd$", "", op.group(1))
+        weight = params.get(layer + "_weight")
+        return (f"its layer {layer} has weights of shape {got.group(1)}, the images give it "
+                f"{got.group(2)}" + (f" (the teacher's {layer}_weight is {tuple(weight.shape)})"
+                                     if weight is not None else ""))
+    return _first_line(e)
 
 
 def _first_line(e):

@@ -5,6 +5,8 @@ import json
 import os
 import sys
 
+from kdcache.args import ByteSize, Dir, Float, Parser
+
 from . import registry
 from .errors import StoreError
 
@@ -86,15 +88,7 @@ def cmd_verify(args):
 
 def cmd_gc(args):
     from .ring import cleanup_stale
-    max_bytes = None
-    if args.max_size:
-        units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-        s = args.max_size.strip().lower().rstrip("b").rstrip("i")
-        try:
-            max_bytes = int(float(s[:-1]) * units[s[-1]]) if s[-1] in units else int(s)
-        except (ValueError, IndexError, KeyError):
-            raise StoreError(f"--max-size {args.max_size!r}: use a size like 500M or 20G") from None
-    victims = registry.gc(args.cache_dir, older_than_days=args.older_than, max_bytes=max_bytes,
+    victims = registry.gc(args.cache_dir, older_than_days=args.older_than, max_bytes=args.max_size,
                           incomplete=not args.keep_incomplete, dry_run=args.dry_run, min_age_s=args.min_age)
     rings = cleanup_stale(dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
@@ -113,11 +107,11 @@ def cmd_gc(args):
     return 0
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m store", description=(
+def main(argv=None, prog="python -m store"):
+    p = Parser(prog=prog, description=(
         "Inspect and maintain kdcache soft-target caches. A cache is named by its fingerprint: "
         "<cache-dir>/<fingerprint>.h5 when complete, <fingerprint>.parts/ while producers fill it."))
-    p.add_argument("--cache-dir", help="cache directory (default: $KDCACHE_DIR, else ./caches)")
+    p.add_argument("--cache-dir", type=Dir(), help="cache directory (default: $KDCACHE_DIR, else ./caches)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("ls", help="list caches: fingerprint, teacher, data set, views, codec, done, size, dates")
@@ -129,16 +123,17 @@ def main(argv=None):
     s.add_argument("path", help="cache path (P, P.h5 or P.parts)")
     s.set_defaults(fn=cmd_verify)
     s = sub.add_parser("gc", help="remove incomplete, damaged or unused caches and stale shared-memory rings")
-    s.add_argument("--older-than", type=float, metavar="DAYS", help="also remove complete caches unused for DAYS")
-    s.add_argument("--max-size", metavar="SIZE", help="then remove least recently used caches until the "
-                                                       "directory fits SIZE (e.g. 20G)")
+    s.add_argument("--older-than", type=Float(0, None), metavar="DAYS",
+                   help="also remove complete caches unused for DAYS")
+    s.add_argument("--max-size", type=ByteSize(), metavar="SIZE", help="then remove least recently used caches "
+                                                                      "until the directory fits SIZE (e.g. 20G)")
     s.add_argument("--keep-incomplete", action="store_true", help="keep incomplete caches")
-    s.add_argument("--min-age", type=float, default=60.0, metavar="S",
+    s.add_argument("--min-age", type=Float(0, None), default=60.0, metavar="S",
                    help="leave incomplete caches touched in the last S seconds (default 60)")
     s.add_argument("--dry-run", action="store_true", help="only print what would be removed")
     s.set_defaults(fn=cmd_gc)
     for s in sub.choices.values():  # accept the global options after the command too
-        s.add_argument("--cache-dir", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        s.add_argument("--cache-dir", type=Dir(), default=argparse.SUPPRESS, help=argparse.SUPPRESS)
         s.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     try:

@@ -82,12 +82,14 @@ def test_module_checkpoint_round_trip_gives_logits_not_softmax(teachers):
 
 
 def test_teacher_preprocessing_is_applied_and_part_of_the_identity(teachers):
-    from pipeline.teacher import Teacher
+    from pipeline.checkpoint import TeacherOptions
+    from pipeline.teacher import load_teacher
     from pipeline import load_dataset
     x, _ = load_dataset("digits").get_batch(np.arange(4))
-    plain, norm = Teacher(teachers["gluon"]), Teacher(teachers["gluon"], mean=[0.5], std=[0.25])
+    p_opt, n_opt = TeacherOptions(teachers["gluon"]), TeacherOptions(teachers["gluon"], mean=[0.5], std=[0.25])
+    plain, norm = load_teacher(p_opt, 4), load_teacher(n_opt, 4)
     assert np.allclose(norm.forward(x), plain.forward((x - 0.5) / 0.25), atol=1e-5)
-    assert plain.identity() != norm.identity()
+    assert p_opt.identity() != n_opt.identity()
 
 
 @pytest.mark.parametrize("case,match", [
@@ -97,7 +99,7 @@ def test_teacher_preprocessing_is_applied_and_part_of_the_identity(teachers):
 def test_bad_teacher_files(teachers, tmp_path, case, match):
     import shutil
     from pipeline.teacher import Teacher
-    from pipeline.cachespec import TeacherError
+    from pipeline.checkpoint import TeacherError
     p = str(tmp_path / "t")
     if case != "missing":
         shutil.copy(teachers["gluon"] + "-symbol.json", p + "-symbol.json")
@@ -121,7 +123,6 @@ def test_unusable_teacher_outputs_are_refused_and_nothing_is_cached(teachers, tm
     r = cli("--teacher", teachers[which], "--cache-dir", tmp_path, check=False)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()[-1]) > 20
-    assert pytest.approx(0) == 0
     import re
     assert re.search(match, r.stderr), r.stderr
     from store.registry import cache_bases, info
@@ -183,7 +184,8 @@ def test_online_writes_in_training_order(teachers, tmp_path):
     from cache_builder.produce import CacheSink, produce_online
     from pipeline.teacher import Teacher
     from pipeline import load_dataset
-    from pipeline.cachespec import build_spec, teacher_identity
+    from pipeline.cachespec import build_spec
+    from pipeline.checkpoint import teacher_identity
     from pipeline.schedule import schedule
     from store import CacheWriter, path_for
     ds = load_dataset("digits")

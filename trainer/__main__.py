@@ -3,35 +3,17 @@ import json
 import logging
 import os
 import sys
+import time
 
 
-def cache_complete(args):
-    """Whether the cache these options name is already complete (then no producer will run).
-    Decided without MXNet for array data sets; False when that cannot be known cheaply."""
-    if args.store != "cache":
-        return False
-    try:
-        import os.path
-        from pipeline.cachespec import TeacherOptions, spec_from_args
-        from store import path_for, registry
-        from trainer.targets import load_train
-        from trainer.options import DEFAULT_TEACHER
-        if args.dataset.split(":")[0] in ("recordio", "imagefolder"):
-            return False  # decoding them loads MXNet: keep the split
-        train = load_train(args)
-        spec, _ = spec_from_args(args, train, TeacherOptions.from_args(args, args.teacher or DEFAULT_TEACHER))
-        base = registry.base_path(args.cache) if args.cache != "auto" else path_for(args.cache_dir, spec.fingerprint)
-        return os.path.exists(registry.final_path(base))
-    except Exception:
-        return False  # the run itself reports what is wrong
-
-
-def split_threads(args, cores):
+def split_threads(args, cores, plan):
     """Trainer threads: all cores when no producer runs beside it (no teacher, inline, a complete
-    cache, --no-producer), else the cores the producer leaves."""
+    cache, --no-producer), else the cores the producer leaves. Without a plan (a data set MXNet
+    decodes) the cache is taken to be incomplete."""
     if args.threads:
         return args.threads
-    if args.teacher_mode != "cache" or args.no_producer or cache_complete(args):
+    if args.teacher_mode != "cache" or args.no_producer or (plan is not None and args.store == "cache"
+                                                            and plan.complete):
         return cores
     return max(1, cores - (args.producer_threads or 1))
 
@@ -49,26 +31,41 @@ def summary(m):
     return "\n".join(f"  {k.ljust(w)}  {v}" for k, v in rows)
 
 
-def main(argv=None):
-    from trainer.options import build_parser
-    args = build_parser().parse_args(argv)
+def main(argv=None, prog="python -m trainer"):
+    from trainer.options import parse_args
+    args = parse_args(argv, prog)
+    args.run_name = args.run or time.strftime("%Y%m%d-%H%M%S")
+    run_dir = os.path.join(args.runs_dir, args.run_name)
+    if not (args.kvstore or "").startswith("dist"):  # a worker checks its own folder once it knows its rank
+        if os.path.exists(os.path.join(run_dir, "state.json")) and not args.resume:
+            print(f"error: argument --run: run {run_dir} exists: pass --resume to continue it or "
+                  f"another --run name", file=sys.stderr)
+            return 2
+        if args.resume and not os.path.exists(os.path.join(run_dir, "state.json")):
+            print(f"error: argument --resume: {run_dir} has no checkpoint (state.json): run without "
+                  f"--resume", file=sys.stderr)
+            return 2
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    threads = split_threads(args, cores)
-    # Fixed before MXNet loads: only OMP_NUM_THREADS limits its compute threads, and a trainer
-    # and a producer that both use every core run several times slower.
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    os.environ.setdefault("MXNET_SUBGRAPH_VERBOSE", "0")
     logging.basicConfig(level=logging.INFO, format="[trainer %(asctime)s] %(message)s", datefmt="%H:%M:%S")
-    from pipeline.cachespec import TeacherError
+    from pipeline.checkpoint import TeacherError
     from pipeline.datasets import DatasetError
     from store import StoreError
-    from trainer.targets import TrainError, start_early
+    from trainer.targets import MXNET_DATASETS, TrainError, make_plan, start_early
     early = None
     try:
-        # The producer starts now, before this process imports MXNet: its start-up overlaps ours.
-        early = args.early = start_early(args, cores, threads)
+        # The data, the teacher's identity and the cache's fingerprint, once; for data sets MXNet
+        # decodes, after the threads are fixed.
+        plan = None if args.dataset.split(":")[0] in MXNET_DATASETS else make_plan(args)
+        threads = split_threads(args, cores, plan)
+        # Fixed before MXNet loads: only OMP_NUM_THREADS limits its compute threads, and a trainer
+        # and a producer that both use every core run several times slower.
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        os.environ.setdefault("MXNET_SUBGRAPH_VERBOSE", "0")
+        if plan is not None:
+            # The producer starts now, before this process imports MXNet: its start-up overlaps ours.
+            early = start_early(args, plan, run_dir, threads, cores)
         from trainer.train import run
-        m, run_dir = run(args, threads, cores)
+        m, run_dir = run(args, plan or make_plan(args), early, threads, cores)
     except (TrainError, StoreError, DatasetError, TeacherError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -6,7 +6,6 @@ reading its targets from the shared cache (worker 0 starts the producer when one
 A process that dies ends the whole run with a clear error instead of leaving the others
 blocked in the kvstore. Across hosts, start the same processes by hand: see the README.
 """
-import argparse
 import functools
 import os
 import signal
@@ -15,6 +14,7 @@ import subprocess
 import sys
 import time
 
+from kdcache.args import Int, Option, Parser, add_options
 from pipeline.children import die_with_parent
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -26,21 +26,40 @@ def free_port():
         return s.getsockname()[1]
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m trainer.launch", description=__doc__.split("\n\n")[0],
-                                epilog="Everything after the launcher's options is passed to each worker's "
-                                       "python -m trainer (e.g. --student mlp --epochs 5 --run NAME).")
-    p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
-    p.add_argument("--servers", type=int, default=1, help="kvstore server processes (default 1)")
-    p.add_argument("--kvstore", default="dist_sync", choices=["dist_sync", "dist_async"])
-    p.add_argument("--port", type=int, help="scheduler port (default: a free one)")
-    p.add_argument("--threads", type=int, help="compute threads per worker (default: cores / workers)")
-    args, rest = p.parse_known_args(argv)
-    if rest[:1] == ["--"]:
-        rest = rest[1:]
-    if args.workers < 1 or args.servers < 1:
-        print("error: --workers and --servers must be at least 1", file=sys.stderr)
-        return 2
+LAUNCHER = [
+    Option("--workers", "worker processes", type=Int(1, 256), default=2, metavar="N", group="launch",
+           make="WORKERS"),
+    Option("--servers", "kvstore server processes", type=Int(1, 256), default=1, metavar="N", group="launch"),
+    Option("--kvstore", "how the workers combine their gradients", choices=("dist_sync", "dist_async"),
+           default="dist_sync", group="launch"),
+    Option("--port", "scheduler port (default: a free one)", type=Int(1024, 65535), metavar="PORT", group="launch"),
+    Option("--threads", "compute threads per worker (default: cores / workers)", type=Int(1, 1024), metavar="N",
+           group="launch"),
+]
+
+
+def parse_args(argv=None, prog="python -m trainer.launch"):
+    """The launcher's options, and the workers' trainer options after them, both checked here: a
+    mistake in either ends the command with one line before any process starts."""
+    p = Parser(prog=prog, description=__doc__.split("\n\n")[0],
+               epilog="Everything after the launcher's options (and an optional --) is passed to each worker's "
+                      "trainer (e.g. -- --student mlp --epochs 5 --run NAME): see kdcache train --help.")
+    add_options(p, LAUNCHER)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" in argv:
+        i = argv.index("--")
+        args, rest = p.parse_args(argv[:i]), argv[i + 1:]
+    else:
+        args, rest = p.parse_known_args(argv)
+    from trainer.options import parse_args as trainer_args
+    worker = trainer_args([*rest, "--kvstore", args.kvstore], prog=f"{prog} -- (worker options)")
+    if worker.store == "ring":
+        p.error("argument --store: distributed workers read a cache; drop --store ring")
+    return args, rest
+
+
+def main(argv=None, prog="python -m trainer.launch"):
+    args, rest = parse_args(argv, prog)
     cores = len(os.sched_getaffinity(0))
     threads = args.threads or max(1, cores // args.workers)
     port = args.port or free_port()

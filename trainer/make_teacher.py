@@ -3,12 +3,15 @@
 `make teacher` uses it to build the default digits teacher (teachers/digits-symbol.json and
 teachers/digits-0000.params) that every target needing a teacher falls back on.
 """
-import argparse
 import json
 import logging
 import os
 import sys
 import time
+
+from kdcache.args import Float, Int, Option, Parser, add_options
+from pipeline.options import DEFAULT_TEACHER, SHARED_BY_DEST, AugmentSpec
+from trainer.options import Student
 
 
 def train_teacher(dataset, test, *, arch="digits_teacher", epochs=40, batch_size=64, lr=2e-3, seed=0,
@@ -70,23 +73,32 @@ def accuracy(net, dataset, batch_size=256):
     return correct / len(dataset)
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m trainer.make_teacher", description=__doc__.split("\n\n")[0])
-    p.add_argument("--dataset", default="digits", help="data set to train on (default digits)")
-    p.add_argument("--data-root", help="local files of the data set")
-    p.add_argument("--arch", default="digits_teacher", help="network (default digits_teacher)")
-    p.add_argument("--out", default="teachers/digits", help="checkpoint prefix (default teachers/digits)")
-    p.add_argument("--epochs", type=int, default=40)
-    p.add_argument("--lr", type=float, default=2e-3, help="Adam learning rate at the start (default 2e-3)")
-    p.add_argument("--schedule", default="cosine", choices=["cosine", "constant"],
-                   help="learning-rate schedule (default cosine: decays to 0 over the epochs)")
-    p.add_argument("--augment", default="crop:1",
-                   help="per-sample augmentation, as the pipeline's --augment "
-                        "(default crop:1: shifts of up to 1 pixel)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=0, help="compute threads (default: all cores)")
-    p.add_argument("--quiet", action="store_true")
+TEACHER = [
+    SHARED_BY_DEST["dataset"], SHARED_BY_DEST["data_root"],
+    Option("--arch", "network: digits_teacher, small_cnn, mlp, or a Gluon model-zoo name", type=Student(),
+           default="digits_teacher", metavar="ARCH", group="teacher"),
+    Option("--out", "checkpoint prefix: writes PREFIX-symbol.json, PREFIX-0000.params, PREFIX-info.json",
+           default=DEFAULT_TEACHER, metavar="PREFIX", group="teacher"),
+    Option("--epochs", "training epochs", type=Int(1, 100000), default=40, metavar="E", group="teacher"),
+    Option("--lr", "Adam learning rate at the start", type=Float(0, 10, gt=True), default=2e-3, metavar="LR",
+           group="teacher"),
+    Option("--schedule", "learning-rate schedule (cosine decays to 0 over the epochs)",
+           choices=("cosine", "constant"), default="cosine", group="teacher"),
+    Option("--augment", "per-sample augmentation, as the pipeline's --augment (crop:1: shifts of up to 1 pixel)",
+           type=AugmentSpec(), default="crop:1", metavar="SPEC", group="teacher"),
+    Option("--seed", "seed of the initialisation and the augmentation", type=Int(0, 2 ** 32 - 1), default=0,
+           metavar="S", group="teacher"),
+    Option("--threads", "compute threads (default: all cores)", type=Int(1, 1024), metavar="N", group="teacher"),
+    Option("--quiet", "no progress bar", action="store_true", group="teacher"),
+]
+
+
+def main(argv=None, prog="python -m trainer.make_teacher"):
+    p = Parser(prog=prog, description=__doc__.split("\n\n")[0])
+    add_options(p, TEACHER)
     args = p.parse_args(argv)
+    if args.augment == "auto":
+        args.augment = "none"
     if args.threads:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
     os.environ.setdefault("MXNET_SUBGRAPH_VERBOSE", "0")

@@ -1,71 +1,140 @@
-"""The trainer's command line (no MXNet import here: threads are fixed before MXNet loads)."""
+"""The trainer's command line (no MXNet import here: threads are fixed before MXNet loads).
+
+The options it shares with the producer come from pipeline.options.SHARED, declared once.
+"""
 import argparse
+import os
+import re
+
+from kdcache.args import Float, Int, Name, Option, Parser, add_options, fail
+from pipeline.options import SHARED, check_views, resolve_teacher
 
 DESCRIPTION = """\
 Train a student network with knowledge distillation from cached teacher logits.
 
 Teacher modes: cache (default) reads the teacher's raw logits from the soft-target cache
 named by the teacher, data, views and codec; when the cache is incomplete and no producer is
-running, a producer (python -m cache_builder --online) is started on the cores the trainer
-leaves free, and targets not there yet are waited for (counted as stall). inline runs the
-teacher inside the training loop (GluonCV's way; same loss code). none trains on the hard
-labels alone. A warm cache makes the teacher cost nothing: a second experiment with another
-student, temperature or alpha reuses it."""
-
-DEFAULT_TEACHER = "teachers/digits"
+running, a producer (kdcache cache --online) is started on the cores the trainer leaves free,
+and targets not there yet are waited for (counted as stall). inline runs the teacher inside
+the training loop (GluonCV's way; same loss code). none trains on the hard labels alone. A
+warm cache makes the teacher cost nothing: a second experiment with another student,
+temperature or alpha reuses it."""
 
 
-def build_parser():
-    p = argparse.ArgumentParser(prog="python -m trainer", description=DESCRIPTION,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    g = p.add_argument_group("data")
-    g.add_argument("--dataset", default="digits", help="data set (see python -m cache_builder --help); default digits")
-    g.add_argument("--data-root", metavar="PATH", help="local files of the data set")
-    g.add_argument("--image-size", metavar="HxW", help="resize decoded images (recordio, imagefolder)")
-    g.add_argument("--num-classes", type=int, help="class count when the files do not say")
-    g.add_argument("--views", type=int, default=1, help="augmented views per sample; epoch e uses view e mod V")
-    g.add_argument("--augment", default="auto", help="none | crop:PAD | flip | crop:PAD,flip (auto: none for 1 view)")
-    g = p.add_argument_group("student")
-    g.add_argument("--student", default="mlp128",
-                   help="mlp128 (default) | mlp | small_cnn | a Gluon model-zoo name (resnet18_v1, ...)")
-    g.add_argument("--epochs", type=int, default=30, help="default 30")
-    g.add_argument("--batch-size", type=int, default=64)
-    g.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate (default 1e-2; the defaults were "
-                   "measured on digits: see the README's table)")
-    g.add_argument("--wd", type=float, default=1e-4, help="weight decay (default 1e-4)")
-    g.add_argument("--seed", type=int, default=0, help="seed of the schedule, augmentation and initialisation")
-    g.add_argument("--ctx", default="auto",
-                   help="auto (GPU when MXNet sees one) | cpu | gpu:0[,1,...] (several GPUs: each batch is split "
-                   "across them, gradients summed by the device kvstore) | cpu:0,1 (the same on CPU contexts)")
-    g.add_argument("--threads", type=int, help="trainer compute threads (default: the cores the producer leaves)")
-    g.add_argument("--kvstore", help="MXNet kvstore: device (several devices; the default then), dist_sync or "
-                   "dist_async (workers started by python -m trainer.launch); default: none for one device")
-    g = p.add_argument_group("distillation")
-    g.add_argument("--teacher-mode", default="cache", choices=["cache", "inline", "none"])
-    g.add_argument("--teacher", metavar="PREFIX[:EPOCH]", default=None,
-                   help=f"teacher checkpoint (default {DEFAULT_TEACHER} for digits, built by make teacher)")
-    g.add_argument("--teacher-input", metavar="NAME", help="the teacher's image input name")
-    g.add_argument("--teacher-mean", metavar="M[,M,M]")
-    g.add_argument("--teacher-std", metavar="S[,S,S]")
-    g.add_argument("--teacher-size", metavar="HxW")
-    g.add_argument("--temperature", "-T", type=float, default=20.0, help="KD temperature (default 20, as GluonCV)")
-    g.add_argument("--alpha", type=float, default=0.5, help="weight of the soft term (default 0.5 = GluonCV's hard weight 0.5)")
-    g = p.add_argument_group("cache")
-    g.add_argument("--cache", default="auto", metavar="PATH|auto",
-                   help="cache path, or auto: <cache-dir>/<fingerprint of these inputs>")
-    g.add_argument("--cache-dir", help="cache directory (default: $KDCACHE_DIR, else ./caches)")
-    g.add_argument("--codec", default="full", help="full | topk:K (default full)")
-    g.add_argument("--dtype", default="float16", choices=["float16", "float32"])
-    g.add_argument("--store", default="cache", choices=["cache", "ring"],
-                   help="cache: persistent HDF5 (default); ring: stream through shared memory, nothing persisted")
-    g.add_argument("--ring-capacity", type=int, default=4096, help="ring size in rows (default 4096)")
-    g.add_argument("--no-producer", action="store_true", help="never start a producer; wait for one started elsewhere")
-    g.add_argument("--producer-threads", type=int, help="threads of the producer the trainer starts (default 1)")
-    g.add_argument("--wait-timeout", type=float, default=600.0, help="seconds to wait for a missing target (default 600)")
-    g = p.add_argument_group("run")
-    g.add_argument("--run", help="run name: outputs go to runs/<run>/ (default: a time stamp)")
-    g.add_argument("--runs-dir", default="runs")
-    g.add_argument("--resume", action="store_true", help="continue runs/<run>/ from its last checkpoint")
-    g.add_argument("--quiet", action="store_true", help="no progress bars")
-    g.add_argument("--json", action="store_true", help="end with the metrics as one JSON line")
+class Ctx:
+    """auto | cpu | cpu:0,1 | gpu | gpu:0[,1,...]."""
+
+    def __call__(self, s):
+        v = str(s).strip().lower()
+        m = re.fullmatch(r"(cpu|gpu)(?::(\d+(?:,\d+)*))?", v)
+        if v != "auto" and not m:
+            fail(f"{s!r}: use auto, cpu, cpu:0,1 or gpu:0[,1,...]")
+        if m and m.group(2):
+            ids = [int(i) for i in m.group(2).split(",")]
+            if len(set(ids)) != len(ids):
+                fail(f"{s!r}: device ids must be distinct")
+        return v
+
+    format = staticmethod(str)
+
+
+def zoo_names():
+    """The Gluon model-zoo's network names, read from MXNet's source without importing MXNet (the
+    trainer fixes its threads first); None when that file cannot be read."""
+    import ast
+    import importlib.util
+    try:
+        spec = importlib.util.find_spec("mxnet")
+        path = os.path.join(spec.submodule_search_locations[0], "gluon", "model_zoo", "vision", "__init__.py")
+        with open(path) as fh:
+            tree = ast.parse(fh.read())
+    except (ImportError, AttributeError, TypeError, OSError, SyntaxError):
+        return None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict) and \
+                any(getattr(t, "id", None) == "models" for t in node.targets):
+            return {k.value for k in node.value.keys if isinstance(k, ast.Constant)}
+    return None
+
+
+class Student:
+    """A built-in student (mlp128, mlp, small_cnn) or a Gluon model-zoo name."""
+
+    BUILTIN = ("mlp128", "mlp", "small_cnn", "digits_teacher")
+
+    def __call__(self, s):
+        zoo = zoo_names()
+        if s not in self.BUILTIN and zoo is not None and s not in zoo:
+            fail(f"{s!r} is not a known network: use {', '.join(self.BUILTIN[:3])} or a Gluon model-zoo name "
+                 f"such as resnet18_v1, mobilenet0.25")
+        return s
+
+    format = staticmethod(str)
+
+
+KVSTORES = ("local", "device", "dist_sync", "dist_async", "dist_device_sync")
+
+TRAINER = [
+    Option("--student", "mlp128 | mlp | small_cnn | a Gluon model-zoo name (resnet18_v1, mobilenet0.25, ...)",
+           type=Student(), default="mlp128", metavar="ARCH", group="student", make="STUDENT"),
+    Option("--lr", "Adam learning rate (the defaults were measured on digits: see the README's table)",
+           type=Float(0, 10, gt=True), default=1e-2, metavar="LR", group="student"),
+    Option("--wd", "weight decay", type=Float(0, 1), default=1e-4, metavar="WD", group="student"),
+    Option("--ctx", "auto (GPU when MXNet sees one) | cpu | gpu:0[,1,...] (several GPUs: each batch is split "
+           "across them, gradients summed by the device kvstore) | cpu:0,1 (the same on CPU contexts)",
+           type=Ctx(), default="auto", metavar="CTX", group="student"),
+    Option("--threads", "trainer compute threads (default: the cores the producer leaves)", type=Int(1, 1024),
+           metavar="N", group="student", make="THREADS"),
+    Option("--kvstore", "MXNet kvstore: device (several devices; the default then), dist_sync or dist_async "
+           "(workers started by kdcache launch); default: none for one device", choices=KVSTORES,
+           group="student"),
+    Option("--teacher-mode", "cache: targets from the store; inline: the teacher in the loop; none: hard labels",
+           choices=("cache", "inline", "none"), default="cache", group="distillation", make="TEACHER_MODE"),
+    Option("--temperature", "KD temperature (as GluonCV)", type=Float(0, 1000, gt=True), default=20.0,
+           metavar="T", group="distillation", make="T", short="-T"),
+    Option("--alpha", "weight of the soft term; 1 - alpha weighs the hard labels (0.5 = GluonCV's)",
+           type=Float(0, 1), default=0.5, metavar="A", group="distillation", make="ALPHA"),
+    Option("--store", "cache: persistent HDF5; ring: stream through shared memory, nothing persisted",
+           choices=("cache", "ring"), default="cache", group="distillation"),
+    Option("--ring-capacity", "ring size in rows", type=Int(1, 1 << 28), default=4096, metavar="ROWS",
+           group="distillation"),
+    Option("--no-producer", "never start a producer; wait for one started elsewhere", action="store_true",
+           group="distillation"),
+    Option("--producer-threads", "threads of the producer the trainer starts (default 1)", type=Int(1, 1024),
+           metavar="N", group="distillation"),
+    Option("--wait-timeout", "seconds to wait for a missing target", type=Float(0, None, gt=True), default=600.0,
+           metavar="S", group="distillation"),
+    Option("--run", "run name: outputs go to <runs-dir>/<run>/ (default: a time stamp)", type=Name(),
+           metavar="NAME", group="run", make="RUN"),
+    Option("--runs-dir", "where runs are written", default="runs", metavar="DIR", group="run"),
+    Option("--resume", "continue <runs-dir>/<run>/ from its last checkpoint (needs --run)", action="store_true",
+           group="run"),
+    Option("--quiet", "no progress bars", action="store_true", group="run"),
+    Option("--json", "end with the metrics as one JSON line", action="store_true", group="run"),
+]
+
+
+def build_parser(prog="python -m trainer"):
+    p = Parser(prog=prog, description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_options(p, SHARED + TRAINER, cache={"help": "explicit cache path instead of <cache-dir>/<fingerprint> "
+                                                    "(auto: the same as leaving it out)"})
     return p
+
+
+def parse_args(argv=None, prog="python -m trainer"):
+    """The options, checked: a mistake exits here with one line and status 2, before anything runs."""
+    p = build_parser(prog)
+    args = p.parse_args(argv)
+    if args.cache == "auto":
+        args.cache = None
+    if args.teacher_mode != "none":
+        resolve_teacher(args, p)
+    check_views(args, p)
+    if args.resume and not args.run:
+        p.error("argument --resume: name the run to continue with --run NAME")
+    if args.store == "ring" and args.teacher_mode != "cache":
+        p.error(f"argument --store: ring streams targets from a producer; it needs --teacher-mode cache, "
+                f"not {args.teacher_mode}")
+    if (args.kvstore or "").startswith("dist") and args.store == "ring":
+        p.error("argument --store: a ring has one reader; distributed workers read a cache (--store cache)")
+    return args

@@ -6,14 +6,15 @@ trainer's instead of coming after it, inside the first epoch.
 """
 import dataclasses
 import functools
+import json
 import logging
 import os
 import signal
 import subprocess
 import sys
-import time
 
 from pipeline.children import die_with_parent
+from pipeline.options import shared_argv
 
 log = logging.getLogger("kdcache.trainer")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -23,43 +24,34 @@ class TrainError(Exception):
     """A run cannot go on; the message names the cause and the fix."""
 
 
-def teacher_arg(args):
-    """--teacher, or the default digits teacher `make teacher` builds."""
-    if args.teacher:
-        return args.teacher
-    if args.dataset == "digits":
-        prefix = os.path.join(ROOT, "teachers", "digits")
-        if not os.path.exists(prefix + "-symbol.json"):
-            raise TrainError(f"the default digits teacher {prefix}-symbol.json is missing: run `make teacher` "
-                             f"(or pass --teacher PREFIX)")
-        return prefix
-    raise TrainError(f"--teacher-mode {args.teacher_mode} needs --teacher PREFIX[:EPOCH] for data set {args.dataset}")
-
-
-def producer_command(args, topt, spec_path, *, split="train", online=True, threads=1, ring=None):
-    """The public entry point of the producer, with the options that make the same cache."""
-    cmd = [sys.executable, "-m", "cache_builder", "--quiet", "--json",
-           "--teacher", f"{topt.prefix}:{topt.epoch}" if topt.epoch is not None else topt.prefix,
-           "--dataset", args.dataset, "--split", split, "--views", str(args.views if split == "train" else 1),
-           "--augment", args.augment if split == "train" else "none", "--seed", str(args.seed),
-           "--codec", args.codec if split == "train" else "full",
-           "--dtype", args.dtype if split == "train" else "float32", "--batch-size", str(args.batch_size),
-           "--threads", str(threads)]
-    for opt, val in (("--data-root", args.data_root), ("--image-size", args.image_size),
-                     ("--num-classes", args.num_classes), ("--teacher-input", args.teacher_input),
-                     ("--teacher-mean", args.teacher_mean), ("--teacher-std", args.teacher_std),
-                     ("--teacher-size", args.teacher_size)):
-        if val is not None:
-            cmd += [opt, str(val)]
+def producer_command(args, plan, *, split="train", online=True, threads=1, ring=None, result=None):
+    """The producer's public entry point, with the shared options (pipeline.options.SHARED) of this
+    run: the child names the same cache and follows the same schedule. The test split's cache is
+    one float32 view in key order."""
+    if split == "train":
+        shared = shared_argv(args, teacher=plan.topt.arg, cache=plan.base if ring is None else None)
+    else:
+        shared = shared_argv(args, teacher=plan.topt.arg, cache=None, views=1, augment="none", codec="full",
+                             dtype="float32")
+    cmd = [sys.executable, "-m", "cache_builder", "--quiet", "--split", split, "--threads", str(threads), *shared]
+    if result:
+        cmd += ["--result", result]
     if online:
         cmd += ["--timeline", os.path.join(args.runs_dir, args.run_name, "producer-timeline.json")]
     if ring is not None:
-        cmd += ["--ring", ring, "--epochs", str(args.epochs)]
-    else:
-        cmd += ["--cache", spec_path]
-        if online:
-            cmd += ["--online", "--epochs", str(args.epochs)]
+        cmd += ["--ring", ring]
+    elif online:
+        cmd += ["--online"]
     return cmd
+
+
+def producer_result(path):
+    """The JSON result a producer wrote with --result, or None when it wrote none (it failed or was stopped)."""
+    try:
+        with open(path) as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return None
 
 
 def start_producer(cmd, log_path):
@@ -101,32 +93,49 @@ def producer_failure(proc, log_path):
     return (errs or lines or [f"exit status {proc.returncode}"])[-1]
 
 
-def run_name_error(run_name):
-    """Why a --run name is refused (it names a directory), or None."""
-    if os.sep in run_name or run_name in (".", "..") or \
-            not run_name.replace("-", "").replace("_", "").replace(".", "").isalnum():
-        return f"--run {run_name!r}: use letters, digits, '-', '_' and '.' only"
-    return None
-
-
-_loaded = {}
+# Data sets that MXNet decodes: loading them imports MXNet, so they wait until threads are fixed.
+MXNET_DATASETS = ("recordio", "imagefolder")
 
 
 def load_train(args):
-    """The training split, loaded the same way (and once) wherever the trainer needs it."""
+    """The training split."""
     from pipeline.datasets import load_dataset
-    key = (args.dataset, args.data_root, args.image_size, args.num_classes)
-    if key not in _loaded:
-        _loaded[key] = load_dataset(args.dataset, data_root=args.data_root, split="train",
-                                    image_size=args.image_size, num_classes=args.num_classes)
-    return _loaded[key]
+    return load_dataset(args.dataset, data_root=args.data_root, split="train", image_size=args.image_size,
+                        num_classes=args.num_classes)
+
+
+@dataclasses.dataclass
+class Plan:
+    """What this run's options name, computed once per process and handed on: the training split,
+    the teacher, the cache spec (its fingerprint hashes the teacher's files) and the cache's path."""
+    train: object
+    augment: object
+    topt: object = None
+    spec: object = None
+    base: str = None  # the cache's base path (the cache store)
+
+    @property
+    def complete(self):
+        from store import registry
+        return self.base is not None and os.path.exists(registry.final_path(self.base))
+
+
+def make_plan(args):
+    from pipeline.cachespec import resolve_augment, spec_from_args
+    from pipeline.checkpoint import TeacherOptions
+    from store import path_for, registry
+    train = load_train(args)
+    if args.teacher_mode == "none":
+        return Plan(train, resolve_augment(args.augment, train.name, args.views))
+    topt = TeacherOptions.from_args(args)
+    spec, augment = spec_from_args(args, train, topt)
+    base = registry.base_path(args.cache) if args.cache else path_for(args.cache_dir, spec.fingerprint)
+    return Plan(train, augment, topt, spec, base)
 
 
 @dataclasses.dataclass
 class EarlyStart:
     """What python -m trainer set up before importing MXNet, for run() to take over."""
-    run_name: str
-    train: object  # the training split, loaded once
     producer: subprocess.Popen = None
     ring: object = None  # store.ring.RingReader the producer writes into
 
@@ -137,47 +146,41 @@ class EarlyStart:
             self.ring.close()
 
 
-def start_early(args, cores, threads):
-    """Start the producer a cache or ring run needs, before the trainer imports MXNet.
+def ring_name(run_name):
+    return f"kdcache-ring-{os.getpid()}-{run_name}"[:60]
 
-    Returns None when there is nothing to start early or anything is off: run() then does the
-    same work itself and reports any error with its usual message. Distributed runs start their
-    producer in run(), on worker 0, once the kvstore has said which worker this is."""
-    if args.teacher_mode != "cache" or args.no_producer or (args.kvstore or "").startswith("dist"):
-        return None
-    if args.dataset.split(":")[0] in ("recordio", "imagefolder"):
-        return None  # decoding them loads MXNet
-    run_name = args.run or time.strftime("%Y%m%d-%H%M%S")
-    run_dir = os.path.join(args.runs_dir, run_name)
-    if run_name_error(run_name) or (os.path.exists(os.path.join(run_dir, "state.json")) and not args.resume):
-        return None
-    try:
-        from pipeline.cachespec import TeacherOptions, spec_from_args
-        from store import path_for, registry
-        from store.segment import lock_holders
-        train = load_train(args)
-        topt = TeacherOptions.from_args(args, teacher_arg(args))
-        spec, _ = spec_from_args(args, train, topt)
-    except Exception:
-        return None
-    args.run = args.run_name = run_name  # run() uses the same name (a time stamp could tick over)
-    early = EarlyStart(run_name, train)
-    os.makedirs(run_dir, exist_ok=True)
-    ptheads = args.producer_threads or max(1, cores - threads)
-    if args.store == "ring":
-        from store.ring import RingReader
-        early.ring = RingReader(f"kdcache-ring-{os.getpid()}-{run_name}"[:60], create=True,
-                                capacity=args.ring_capacity, num_classes=spec.num_classes, codec=spec.codec,
-                                dtype=spec.dtype, timeout=args.wait_timeout, fingerprint=spec.fingerprint)
-        early.producer = start_producer(producer_command(args, topt, None, threads=ptheads, ring=early.ring.name),
-                                        os.path.join(run_dir, "producer.log"))
-        return early
-    base = registry.base_path(args.cache) if args.cache != "auto" else path_for(args.cache_dir, spec.fingerprint)
-    if os.path.exists(registry.final_path(base)):
-        return early  # complete: nothing to start
+
+def create_ring(args, plan):
+    from store.ring import RingReader
+    return RingReader(ring_name(args.run_name), create=True, capacity=args.ring_capacity,
+                      num_classes=plan.spec.num_classes, codec=plan.spec.codec, dtype=plan.spec.dtype,
+                      timeout=args.wait_timeout, fingerprint=plan.spec.fingerprint)
+
+
+def producer_running(base):
+    """Whether a live producer holds a shard lock of this cache."""
+    from store import registry
+    from store.segment import lock_holders
     parts = registry.parts_path(base)
-    if registry.exists(base) and os.path.isdir(parts) and lock_holders(parts):
-        return early  # a producer is filling it already: run() reads behind it
-    early.producer = start_producer(producer_command(args, topt, base, threads=ptheads),
-                                    os.path.join(run_dir, "producer.log"))
+    return registry.exists(base) and os.path.isdir(parts) and bool(lock_holders(parts))
+
+
+def start_early(args, plan, run_dir, threads, cores):
+    """Start the producer a cache or ring run needs, before the trainer imports MXNet, so its
+    start-up overlaps the trainer's. Distributed runs start theirs in run(), on worker 0, once the
+    kvstore has said which worker this is."""
+    early = EarlyStart()
+    if args.teacher_mode != "cache" or args.no_producer or (args.kvstore or "").startswith("dist"):
+        return early
+    pthreads = args.producer_threads or max(1, cores - threads)
+    os.makedirs(run_dir, exist_ok=True)
+    if args.store == "ring":
+        early.ring = create_ring(args, plan)
+        early.producer = start_producer(producer_command(args, plan, threads=pthreads, ring=early.ring.name,
+                                                         result=os.path.join(run_dir, "producer.json")),
+                                        os.path.join(run_dir, "producer.log"))
+    elif not plan.complete and not producer_running(plan.base):
+        early.producer = start_producer(producer_command(args, plan, threads=pthreads,
+                                                         result=os.path.join(run_dir, "producer.json")),
+                                        os.path.join(run_dir, "producer.log"))
     return early

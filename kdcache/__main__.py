@@ -1,0 +1,6 @@
+"""python -m kdcache: the same as the `kdcache` command."""
+import sys
+
+from kdcache.cli import main
+
+sys.exit(main())

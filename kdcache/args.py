@@ -1,0 +1,248 @@
+"""The command lines' building blocks: a one-line-error parser, value types, option declarations.
+
+A value type parses one string or says in one line what is allowed; argparse reports it as
+"argument --flag: <what>" and the Parser ends the command with exit status 2. No MXNet here,
+and nothing of the project: every package's command line uses these.
+"""
+import argparse
+import math
+import os
+import re
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with every error on one line (no usage block) and exit status 2."""
+
+    def error(self, message):
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
+def fail(message):
+    raise argparse.ArgumentTypeError(message)
+
+
+# --- value types: parse a string, or say in one line what is allowed ----------------------------
+class Int:
+    """An integer in [lo, hi]."""
+
+    def __init__(self, lo=None, hi=None):
+        self.lo, self.hi = lo, hi
+
+    def __call__(self, s):
+        try:
+            v = int(str(s).strip())
+        except ValueError:
+            fail(f"{s!r} is not an integer")
+        if self.lo is not None and v < self.lo:
+            fail(f"{v} is not allowed: it must be at least {self.lo}")
+        if self.hi is not None and v > self.hi:
+            fail(f"{v} is not allowed: it must be at most {self.hi}")
+        return v
+
+    def allowed(self):
+        if self.hi is None:
+            return f"an integer >= {self.lo}"
+        return f"an integer from {self.lo} to {self.hi}"
+
+    format = staticmethod(str)
+
+
+class Float:
+    """A finite number in a range; `gt` excludes the lower bound (a temperature of 0 divides by 0)."""
+
+    def __init__(self, lo=None, hi=None, *, gt=False):
+        self.lo, self.hi, self.gt = lo, hi, gt
+
+    def __call__(self, s):
+        try:
+            v = float(str(s).strip())
+        except ValueError:
+            fail(f"{s!r} is not a number")
+        if not math.isfinite(v):
+            fail(f"{s} is not allowed: use {self.allowed()}")
+        if self.lo is not None and (v < self.lo or (self.gt and v == self.lo)) or \
+                self.hi is not None and v > self.hi:
+            fail(f"{s} is out of range: use {self.allowed()}")
+        return v
+
+    def allowed(self):
+        lo = "" if self.lo is None else f"{'>' if self.gt else '>='} {self.lo:g}"
+        if self.hi is None:
+            return f"a number {lo}"
+        return f"a number {lo} and <= {self.hi:g}"
+
+    format = staticmethod(repr)
+
+
+class Allowed:
+    """A value type's one-line description of what it accepts: its docstring's first paragraph."""
+
+    def allowed(self):
+        return " ".join((type(self).__doc__ or "").strip().split("\n\n")[0].split()).rstrip(".")
+
+
+class Floats(Allowed):
+    """Numbers separated by commas, one per channel."""
+
+    def __init__(self, nonzero=False):
+        self.nonzero = nonzero
+
+    def __call__(self, s):
+        try:
+            v = [float(x) for x in str(s).split(",")]
+        except ValueError:
+            fail(f"{s!r}: use numbers separated by commas, one per channel, e.g. 0.485,0.456,0.406")
+        if not all(math.isfinite(x) for x in v):
+            fail(f"{s!r}: every value must be a finite number")
+        if self.nonzero and any(x == 0 for x in v):
+            fail(f"{s!r}: a zero divides by zero; every channel's value must be non-zero")
+        return v
+
+    @staticmethod
+    def format(v):
+        return ",".join(repr(float(x)) for x in v)
+
+
+class Size(Allowed):
+    """HxW with H and W at least 1."""
+
+    def __call__(self, s):
+        m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", str(s))
+        if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
+            fail(f"{s!r}: use HxW with H and W at least 1, e.g. 224x224")
+        return int(m.group(1)), int(m.group(2))
+
+    @staticmethod
+    def format(v):
+        return f"{v[0]}x{v[1]}"
+
+
+class Choice:
+    def __init__(self, *values):
+        self.values = values
+
+    def allowed(self):
+        return " | ".join(self.values)
+
+    def __call__(self, s):
+        if s not in self.values:
+            fail(f"{s!r}: use one of {', '.join(self.values)}")
+        return s
+
+    format = staticmethod(str)
+
+
+class ByteSize(Allowed):
+    """A size in bytes: 123, 500M, 20G (K, M, G, T: powers of 1024)."""
+
+    def __call__(self, s):
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", str(s).lower())
+        if not m:
+            fail(f"{s!r}: use a size like 500M or 20G")
+        return int(float(m.group(1)) * (1 << (10 * " kmgt".index(m.group(2) or " "))))
+
+    format = staticmethod(str)
+
+
+class Name(Allowed):
+    """Letters, digits, '-', '_' and '.' (it names a file or a folder)."""
+
+    def __call__(self, s):
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,100}", str(s)) or s in (".", ".."):
+            fail(f"{s!r}: use 1 to 100 letters, digits, '-', '_' and '.'")
+        return s
+
+    format = staticmethod(str)
+
+
+class Dir(Allowed):
+    """A directory (created when missing), not a file."""
+
+    def __call__(self, s):
+        if not str(s).strip():
+            fail("an empty path: name a directory")
+        if os.path.exists(s) and not os.path.isdir(s):
+            fail(f"{s!r} is a file, not a directory: name a directory (it is created when missing)")
+        return s
+
+    format = staticmethod(str)
+
+
+class Path:
+    """A path; `exists` for an input that must be there."""
+
+    def __init__(self, exists=False):
+        self.exists = exists
+
+    def allowed(self):
+        return "an existing path" if self.exists else "a path"
+
+    def __call__(self, s):
+        if not str(s).strip():
+            fail("an empty path")
+        if self.exists and not os.path.exists(s):
+            fail(f"{s!r} does not exist")
+        return s
+
+    format = staticmethod(str)
+
+
+# --- declarations ----------------------------------------------------------------------------------
+class Option:
+    """One option as the command lines and the Makefile see it."""
+
+    def __init__(self, flag, help, *, type=None, default=None, metavar=None, group, make=None,
+                 short=None, action=None, choices=None):
+        self.flag, self.help, self.default, self.metavar, self.group = flag, help, default, metavar, group
+        self.type = type if type is not None or action else Path()
+        if choices:
+            self.type = Choice(*choices)
+        self.make, self.short, self.action = make, short, action
+        self.dest = flag.lstrip("-").replace("-", "_")
+
+    def add(self, parser, **override):
+        kw = {"help": override.pop("help", self.help), "dest": self.dest}
+        default = override.pop("default", self.default)
+        if self.action:
+            kw.update(action=self.action, default=default)
+        else:
+            kw.update(type=self.type, default=default, metavar=self.metavar or self.dest.upper())
+            if isinstance(self.type, Choice):
+                kw["metavar"] = "{" + ",".join(self.type.values) + "}"
+        if default is not None and default is not False and "default" not in kw["help"]:
+            kw["help"] += f" (default {self.format(default)})"
+        kw.update(override)
+        flags = [self.flag] + ([self.short] if self.short else [])
+        parser.add_argument(*flags, **kw)
+
+    def format(self, value):
+        if self.action:
+            return ""
+        return self.type.format(value)
+
+    def argv(self, value):
+        """The command-line words that give this option `value` (none for an unset option)."""
+        if value is None or value is False:
+            return []
+        if self.action:
+            return [self.flag]
+        return [f"{self.flag}={self.format(value)}"]  # one word: a value may start with '-'
+
+
+
+def add_options(parser, options, **overrides):
+    """Add `options` to `parser`, in argument groups titled by their `group`; overrides: {dest: {keyword: value}}."""
+    groups = {}
+    for o in options:
+        if o.group not in groups:
+            groups[o.group] = parser.add_argument_group(o.group)
+        o.add(groups[o.group], **overrides.get(o.dest, {}))
+
+
+def option_table(options):
+    """(flag, default, allowed values, Makefile variable) per option: `kdcache options` and the README."""
+    rows = []
+    for o in options:
+        rows.append((o.flag, "-" if o.default is None or o.default is False else o.format(o.default),
+                     "a flag" if o.action else o.type.allowed(), o.make or ""))
+    return rows

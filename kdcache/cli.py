@@ -1,0 +1,54 @@
+"""The `kdcache` command: one front door with a subcommand for every job."""
+import sys
+
+# name -> (module whose main(argv, prog) runs it, what it does); main(argv, prog) of each module.
+COMMANDS = {
+    "teacher": ("trainer.make_teacher", "train a teacher on a data set and export it as MXNet checkpoint files"),
+    "cache": ("cache_builder.__main__", "run the teacher on the CPU and fill its soft-target cache (offline, "
+                                        "--online following the training schedule, or --ring)"),
+    "train": ("trainer.__main__", "train a student with KD from the cache (starts a producer when needed)"),
+    "launch": ("trainer.launch", "distributed training: scheduler, server and workers (dist_sync) on this "
+                                 "machine"),
+    "ls": ("store.__main__", "list the caches in the cache directory"),
+    "inspect": ("store.__main__", "print all metadata of one cache"),
+    "verify": ("store.__main__", "check a cache's schema, flags, values and completeness"),
+    "gc": ("store.__main__", "remove incomplete, damaged or unused caches and stale shared-memory rings"),
+    "options": ("pipeline.options", "the options the producer and the trainer share, with their defaults"),
+}
+STORE_COMMANDS = ("ls", "inspect", "verify", "gc")
+
+
+def usage():
+    from kdcache import __version__
+    width = max(map(len, COMMANDS))
+    lines = ["usage: kdcache COMMAND [options]   (kdcache COMMAND --help for a command's options)", "",
+             f"kdcache {__version__}: knowledge distillation from a cached teacher. Commands:", ""]
+    lines += [f"  {name.ljust(width)}  {what}" for name, (_, what) in COMMANDS.items()]
+    lines += ["", "The same jobs run as python -m cache_builder, python -m trainer, python -m trainer.launch,",
+              "python -m trainer.make_teacher and python -m store; the Makefile's targets call this command."]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0 if argv else 2
+    if argv[0] == "--version":
+        from kdcache import __version__
+        print(f"kdcache {__version__}")
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"kdcache: error: unknown command {name!r}: use one of {', '.join(COMMANDS)} "
+              f"(see kdcache --help)", file=sys.stderr)
+        return 2
+    import importlib
+    module = importlib.import_module(COMMANDS[name][0])
+    if name in STORE_COMMANDS:
+        return module.main([name, *rest], prog="kdcache")
+    return module.main(rest, prog=f"kdcache {name}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""Every command-line option, declared once: name, type, default, allowed values, help.
+
+The options the producer and the trainer share (SHARED) name the same cache and the same
+schedule, so they are declared here once; both command lines, the producer command line the
+trainer builds for its child, and the Makefile's variables (`make` names) derive from them.
+Each option's type checks its value where it is parsed: a mistake ends the command with one
+line naming the option, the value and what is allowed, and exit status 2. No MXNet here.
+"""
+import math
+import os
+import re
+import sys
+
+from kdcache.args import Allowed, Dir, Floats, Int, Name, Option, Path, Size, fail, option_table
+
+from .augment import Augment
+
+# The default teacher for the digits data set: `kdcache teacher` (make teacher) builds it.
+DEFAULT_TEACHER = os.path.join("teachers", "digits")
+
+
+class Codec(Allowed):
+    """full | topk:K with K from 1 to the class count."""
+
+    def __call__(self, s):
+        v = str(s).strip().lower()
+        if v == "full":
+            return v
+        m = re.fullmatch(r"topk:(\d+)", v)
+        if not m or int(m.group(1)) < 1:
+            fail(f"{s!r}: use full or topk:K with K an integer >= 1, e.g. topk:5")
+        return f"topk:{int(m.group(1))}"
+
+    format = staticmethod(str)
+
+
+class AugmentSpec(Allowed):
+    """auto | none | crop:PAD | flip | crop:PAD,flip."""
+
+    def __call__(self, s):
+        v = str(s).strip().lower()
+        if v == "auto":
+            return v
+        try:
+            aug = Augment.parse(v)
+        except ValueError:
+            fail(f"{s!r} is not understood: use auto, none, crop:PAD, flip or crop:PAD,flip (PAD an integer from "
+                 f"0 to 64)")
+        if aug.pad > 64:
+            fail(f"{s!r}: crop padding {aug.pad} is more than 64 pixels")
+        return v
+
+    format = staticmethod(str)
+
+
+class DatasetSpec(Allowed):
+    """digits | synthetic[:n=N,classes=K,shape=CxHxW,seed=S] | mnist | fashion-mnist | cifar10 | cifar100 | npz |
+    recordio | imagefolder (the files are checked when the data set loads)."""
+
+    def __call__(self, s):
+        from .datasets import DATASETS, DatasetError, parse_synthetic
+        v = str(s).strip()
+        base = v.split(":", 1)[0].lower()
+        if base not in DATASETS:
+            fail(f"unknown data set {s!r}: use one of {', '.join(DATASETS)}")
+        if base != "synthetic" and ":" in v:
+            fail(f"{s!r}: only synthetic takes parameters (synthetic:n=N,classes=K,shape=CxHxW,seed=S)")
+        if base == "synthetic":
+            try:
+                kw = parse_synthetic(v)
+            except DatasetError as e:
+                fail(str(e))
+            kw = {"n": 10000, "classes": 10, "shape": (3, 32, 32), "seed": 0, **kw}  # load_synthetic's defaults
+            shape = kw["shape"]
+            if kw["n"] < 5 or kw["classes"] < 2 or kw["seed"] < 0 or len(shape) != 3 or min(shape) < 1 \
+                    or shape[0] not in (1, 3) or kw["n"] * math.prod(shape) > 2 ** 34:
+                fail(f"{s!r}: use n >= 5 (the test split has n/5), classes >= 2, seed >= 0, shape CxHxW with C 1 "
+                     f"or 3 and H, W >= 1, at most 16 GiB of pixels")
+        return v
+
+    format = staticmethod(str)
+
+
+class Shard(Allowed):
+    """i/n with 0 <= i < n."""
+
+    def __call__(self, s):
+        m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", str(s))
+        if not m or int(m.group(2)) < 1 or int(m.group(1)) >= int(m.group(2)):
+            fail(f"{s!r}: use i/n with 0 <= i < n, e.g. 0/2")
+        return f"{int(m.group(1))}/{int(m.group(2))}"
+
+    format = staticmethod(str)
+
+
+TEACHER, DATA, CACHE, SCHEDULE = "teacher", "data", "cache", "schedule (the same for the producer and the trainer)"
+
+# What the producer and the trainer share: these name the cache and the schedule.
+SHARED = [
+    Option("--teacher", "MXNet checkpoint: PREFIX-symbol.json + PREFIX-NNNN.params (latest epoch if none); "
+           f"for --dataset digits the default is {DEFAULT_TEACHER}, built by `kdcache teacher`",
+           metavar="PREFIX[:EPOCH]", group=TEACHER, make="TEACHER"),
+    Option("--teacher-input", "the teacher's image input (found when there is one)", metavar="NAME",
+           type=Name(), group=TEACHER),
+    Option("--teacher-mean", "per-channel mean subtracted from the [0,1] images (one value, or one per channel)",
+           type=Floats(), metavar="M[,M,M]", group=TEACHER),
+    Option("--teacher-std", "per-channel std the images are divided by (non-zero)", type=Floats(nonzero=True),
+           metavar="S[,S,S]", group=TEACHER),
+    Option("--teacher-size", "resize images to HxW for the teacher", type=Size(), metavar="HxW", group=TEACHER),
+    Option("--dataset", "digits (embedded) | synthetic[:n=..,classes=..,shape=CxHxW,seed=..] | mnist | "
+           "fashion-mnist | cifar10 | cifar100 | npz | recordio | imagefolder", type=DatasetSpec(),
+           default="digits", metavar="NAME", group=DATA, make="DATASET"),
+    Option("--data-root", "local files of the data set (nothing is downloaded)", type=Path(exists=True),
+           metavar="PATH", group=DATA, make="DATA_ROOT"),
+    Option("--image-size", "resize decoded images to HxW (recordio, imagefolder)", type=Size(), metavar="HxW",
+           group=DATA),
+    Option("--num-classes", "class count when the files do not say (npz, recordio)", type=Int(2, 1 << 24),
+           metavar="N", group=DATA),
+    Option("--views", "augmented views per sample; epoch e uses view e mod V", type=Int(1, 10000), default=1,
+           metavar="V", group=DATA, make="VIEWS"),
+    Option("--augment", "auto | none | crop:PAD | flip | crop:PAD,flip; auto = none for 1 view, else the data "
+           "set's usual", type=AugmentSpec(), default="auto", metavar="SPEC", group=DATA),
+    Option("--seed", "seed of the schedule and of the augmentation", type=Int(0, 2 ** 32 - 1), default=0,
+           metavar="S", group=DATA, make="SEED"),
+    Option("--cache-dir", "cache directory (default: $KDCACHE_DIR, else ./caches)", type=Dir(), metavar="DIR",
+           group=CACHE, make="CACHE_DIR"),
+    Option("--cache", "explicit cache path instead of <cache-dir>/<fingerprint>", metavar="PATH", group=CACHE),
+    Option("--codec", "full (raw logits) | topk:K (the K largest logits and the tail's mass)", type=Codec(),
+           default="full", metavar="CODEC", group=CACHE, make="CODEC"),
+    Option("--dtype", "storage type of the logits", choices=("float16", "float32"), default="float16",
+           group=CACHE),
+    Option("--epochs", "epochs of the training schedule", type=Int(1, 100000), default=30, metavar="E",
+           group=SCHEDULE, make="EPOCHS"),
+    Option("--batch-size", "training batch = teacher batch", type=Int(1, 1 << 20), default=64, metavar="B",
+           group=SCHEDULE, make="BATCH_SIZE"),
+]
+SHARED_BY_DEST = {o.dest: o for o in SHARED}
+
+
+def shared_argv(args, **values):
+    """The shared options of `args` (with `values` replacing some) as command-line words, for a
+    child producer: it then names the same cache and follows the same schedule."""
+    out = []
+    for o in SHARED:
+        out += o.argv(values.get(o.dest, getattr(args, o.dest)))
+    return out
+
+
+def resolve_teacher(args, parser=None):
+    """--teacher, or the default digits teacher; the checkpoint's files must be there and readable.
+    Sets args.teacher; errors go through parser.error (one line, exit 2) when a parser is given."""
+    from .checkpoint import TeacherError, checkpoint_files, parse_teacher_arg
+    teacher = args.teacher
+    try:
+        if teacher is None:
+            if args.dataset != "digits":
+                raise TeacherError(f"--dataset {args.dataset} needs --teacher PREFIX[:EPOCH] (the default "
+                                   f"teacher {DEFAULT_TEACHER} is for digits)")
+            if not os.path.exists(DEFAULT_TEACHER + "-symbol.json"):
+                raise TeacherError(f"the default digits teacher {DEFAULT_TEACHER}-symbol.json is missing here "
+                                   f"({os.getcwd()}): build it with `kdcache teacher` (make teacher) or pass "
+                                   f"--teacher PREFIX")
+            teacher = DEFAULT_TEACHER
+        checkpoint_files(*parse_teacher_arg(teacher))
+    except TeacherError as e:
+        if parser is None:
+            raise
+        parser.error(f"argument --teacher: {e}")
+    args.teacher = teacher
+    return teacher
+
+
+def check_views(args, parser):
+    """--views V > 1 needs an augmentation: V copies of the same image would be V identical views."""
+    if args.views > 1 and args.augment == "none":
+        parser.error(f"argument --views: with --augment none every view would be the same image ({args.views} "
+                     f"copies); "
+                     f"name an augmentation (--augment crop:4,flip) or use --views 1")
+
+
+def main(argv=None, prog="python -m pipeline.options"):
+    """Print the shared options: flag, default, Make variable, allowed values."""
+    from kdcache.args import Parser
+    Parser(prog=prog, description="The options the producer (kdcache cache) and the trainer (kdcache train) "
+           "share, declared once: flag, default, Make variable, allowed values.").parse_args(argv)
+    rows = [("option", "default", "allowed", "make")] + option_table(SHARED)
+    for flag, default, allowed, make in rows:
+        print(f"{flag:16} {default:9} {make:11} {allowed}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -15,6 +15,8 @@ import json
 
 import numpy as np
 
+from .errors import BadInputError, UnsupportedFormatError
+
 FORMAT_VERSION = 1  # bump when a file written by this code cannot be read by older code
 
 # --- file names -------------------------------------------------------------------------
@@ -72,7 +74,6 @@ def flat_keys(indices, views, num_samples, num_views, *, check_upper=True):
     check_upper=False leaves indices >= num_samples to the caller's gather, which refuses them
     anyway (a key >= num_samples * num_views): one reduction less on the reader's hot path.
     """
-    from .errors import BadInputError
     idx = np.asarray(indices, dtype=np.int64).reshape(-1)
     if np.ndim(views) == 0:
         v = int(views)
@@ -93,7 +94,6 @@ def flat_keys(indices, views, num_samples, num_views, *, check_upper=True):
 
 
 def index_error(idx, num_samples):
-    from .errors import BadInputError
     bad = idx[(idx < 0) | (idx >= num_samples)][:5]
     return BadInputError(f"sample indices {bad.tolist()} out of range [0, {num_samples}): this cache is for a "
                          f"data set of {num_samples} samples; pass the matching --dataset or cache")
@@ -122,7 +122,6 @@ def meta_from_attrs(attrs):
 
 def check_format_version(version, where):
     """Integer comparison of a file's format version with ours; raise a typed error if unreadable."""
-    from .errors import UnsupportedFormatError
     try:
         version = int(version)
     except (TypeError, ValueError):

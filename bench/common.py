@@ -33,21 +33,16 @@ def make_log(name):
 
 # -- threads and the environment of child processes ----------------------------------------------
 def limit_threads(env, threads=1, *, force=True):
-    """Fix the BLAS/OpenMP thread counts in env: os.environ before numpy or MXNet loads (both read
-    them once, at import; OMP_NUM_THREADS is the only knob that limits MXNet's compute threads), or
-    a child's environment. force=False keeps a count the user set."""
+    """Fix the BLAS/OpenMP thread counts in env (os.environ before numpy or MXNet loads: both read them
+    once, at import; OMP_NUM_THREADS alone limits MXNet's compute threads). force=False keeps the user's."""
     for var in THREAD_VARS:
-        if force:
-            env[var] = str(threads)
-        else:
-            env.setdefault(var, str(threads))
+        env[var] = str(threads) if force or var not in env else env[var]
     env.setdefault("MXNET_SUBGRAPH_VERBOSE", "0")
     return env
 
 
 def child_env(threads=1, **extra):
-    """The environment of every child process: `threads` compute threads, none of the variables
-    that would change what a tool does behind the options it is given, then `extra`."""
+    """Every child's environment: `threads` compute threads, no variable that changes a tool behind its options."""
     env = dict(os.environ)
     # Until the project is installed (pip install -e .) children find its packages through
     # PYTHONPATH. This is the one place it is set: drop it here once installing is the rule.
@@ -75,14 +70,42 @@ def last_json(stdout, what):
 
 # -- running child processes -----------------------------------------------------------------------
 class _Child:
-    """One started process and what finish() needs to measure it."""
+    """One started process: its output files, its timeout, its memory sampler, where finish() measures from."""
 
-    def __init__(self, what, argv, out, err, timeout):
-        self.what, self.argv, self.out, self.err, self.timeout = what, argv, out, err, timeout
-        self.proc = self.poller = self.timer = None
-        self.timed_out = False
+    def __init__(self, argv, what, *, env, cwd, log_dir, rss, timeout):
+        self.what, self.argv, self.timeout, self.timed_out, self.poller = what, argv, timeout, False, None
+        if log_dir:
+            tag = what.replace(" ", "_").replace("/", "_")
+            self.out, self.err = (open(os.path.join(log_dir, tag + ext), "w+") for ext in (".out", ".err"))
+        else:
+            self.out, self.err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
         self.snapshot, self.load0 = cpu_snapshot(), os.getloadavg()
         self.launched, self.t0 = time.time(), time.perf_counter()
+        try:
+            self.proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=self.out, stderr=self.err,
+                                         start_new_session=True)
+        except BaseException:
+            self.output()
+            raise
+        if rss is not None:
+            self.poller = PeakPoller(self.proc.pid, **rss)
+            self.poller.start()
+        self.timer = threading.Timer(timeout, self.kill, kwargs={"timed_out": True})
+        self.timer.daemon = True
+        self.timer.start()
+
+    def kill(self, timed_out=False):
+        self.timed_out = self.timed_out or timed_out
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the child's own session: it and what it started
+        except OSError:
+            pass
+
+    def halt(self):
+        """Stop the timer and the memory sampler (before the process is reaped or killed)."""
+        self.timer.cancel()
+        if self.poller is not None:
+            self.poller.stop()
 
     def output(self):
         """(stdout, stderr) of the finished process; closes its files."""
@@ -93,12 +116,6 @@ class _Child:
             fh.close()
         return texts
 
-    def halt(self):
-        """Stop the timer and the memory sampler (before the process is reaped or killed)."""
-        self.timer.cancel()
-        if self.poller is not None:
-            self.poller.stop()
-
 
 class Children:
     """The processes a benchmark starts. Each runs in a session of its own, so that its timeout or
@@ -108,35 +125,17 @@ class Children:
         self.live = {}  # pid -> _Child, until reaped
 
     def start(self, argv, what, *, env=None, cwd=ROOT, log_dir=None, rss=None, timeout=900):
-        """Start argv with child_env() unless env is given. Its output goes to log_dir/<what>.out
-        and .err when log_dir is given (kept for inspection), else to unnamed temporary files.
-        rss: PeakPoller's keyword arguments, to sample the peak memory of the process tree."""
-        if log_dir:
-            tag = what.replace(" ", "_").replace("/", "_")
-            out, err = (open(os.path.join(log_dir, tag + ext), "w+") for ext in (".out", ".err"))
-        else:
-            out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-        c = _Child(what, argv, out, err, timeout)
-        try:
-            c.proc = subprocess.Popen(argv, cwd=cwd, env=child_env() if env is None else env, stdout=out,
-                                      stderr=err, start_new_session=True)
-        except BaseException:
-            c.output()
-            raise
+        """Start argv (env: child_env() by default); its output to log_dir/<what>.out, .err (kept for
+        inspection), else to unnamed temporary files. rss: PeakPoller's keywords, to sample its memory."""
+        c = _Child(argv, what, env=child_env() if env is None else env, cwd=cwd, log_dir=log_dir, rss=rss,
+                   timeout=timeout)
         self.live[c.proc.pid] = c
-        if rss is not None:
-            c.poller = PeakPoller(c.proc.pid, **rss)
-            c.poller.start()
-        c.timer = threading.Timer(timeout, self._time_out, args=(c,))
-        c.timer.daemon = True
-        c.timer.start()
         return c
 
     def finish(self, c, *, json_line=True):
-        """Wait for a started child. Returns its last JSON line (json_line; else {}) with the
-        measurements added: _wall_s, _launched (time.time() at the start), _cpu (cpu_between, plus
-        the CPU time of its process tree per wall second and the 1-minute load average at both ends)
-        and, when sampled, _peak_rss_mib. Raises BenchError if it failed or ran over its timeout."""
+        """Its last JSON line (json_line; else {}) plus _wall_s, _launched (time.time() at the start), _cpu
+        (cpu_between, the CPU time of its process tree per wall second, the 1-min load average at both
+        ends) and, if sampled, _peak_rss_mib. BenchError if it failed or ran over its timeout."""
         try:
             _, status, ru = os.wait4(c.proc.pid, 0)  # not Popen.wait(): wait4 also gives the tree's CPU time
         finally:
@@ -150,10 +149,9 @@ class Children:
             why = f"ran over {c.timeout} s and was stopped" if c.timed_out else f"exited with {c.proc.returncode}"
             raise BenchError(f"bench: {c.what} {why}: {' '.join(map(str, c.argv))}\n{stderr[-3000:]}")
         res = last_json(stdout, c.what) if json_line else {}
-        res["_wall_s"] = wall
-        res["_launched"] = c.launched
-        res["_cpu"] = {**cpu, "tree_cores": (ru.ru_utime + ru.ru_stime) / wall if wall else None,
-                       "loadavg_1m_start": round(c.load0[0], 2), "loadavg_1m_end": round(os.getloadavg()[0], 2)}
+        res.update(_wall_s=wall, _launched=c.launched, _cpu={
+            **cpu, "tree_cores": (ru.ru_utime + ru.ru_stime) / wall if wall else None,
+            "loadavg_1m_start": round(c.load0[0], 2), "loadavg_1m_end": round(os.getloadavg()[0], 2)})
         if c.poller is not None:
             res["_peak_rss_mib"] = c.poller.peaks_mib()
         return res
@@ -166,22 +164,10 @@ class Children:
         """Kill every child not yet reaped, with what it started, and reap it."""
         for c in list(self.live.values()):
             c.halt()
-            _kill_group(c.proc.pid)
+            c.kill()
             c.proc.wait()
             c.output()
         self.live.clear()
-
-    @staticmethod
-    def _time_out(c):
-        c.timed_out = True
-        _kill_group(c.proc.pid)
-
-
-def _kill_group(pid):
-    try:
-        os.killpg(pid, signal.SIGKILL)  # the child's own session: it and what it started
-    except OSError:
-        pass
 
 
 # -- how busy the machine was ----------------------------------------------------------------------
@@ -205,8 +191,7 @@ def cpu_between(a, b):
     """Average cores this benchmark's processes used, cores other processes used, and steal."""
     if a is None or b is None or b[0] <= a[0]:
         return {"own_cores": None, "other_cores": None, "steal_cores": None}
-    wall = b[0] - a[0]
-    own = b[3] - a[3]
+    wall, own = b[0] - a[0], b[3] - a[3]
     return {"own_cores": own / wall, "other_cores": max(0.0, (b[1] - a[1]) - own) / wall,
             "steal_cores": (b[2] - a[2]) / wall}
 
@@ -245,9 +230,8 @@ def _status_kib(pid, field):
 
 
 class PeakPoller(threading.Thread):
-    """Every `every` s, the peak resident set (VmHWM) of a process and of each of its descendants,
-    kept per role: `role` for the process itself; for a descendant, the first of `roles`
-    ({role: word}) whose word its command line holds, else "other"."""
+    """Every `every` s, the peak resident set (VmHWM) of a process and its descendants per role: `role` for
+    the process; for a descendant, the first of `roles` ({role: word}) its command line holds, else "other"."""
 
     def __init__(self, pid, role="main", roles=None, every=0.2):
         super().__init__(daemon=True)
@@ -292,8 +276,7 @@ class PeakPoller(threading.Thread):
 
     def stop(self):
         self._halt.set()
-        if self.is_alive():
-            self.join()
+        self.join()
 
     def peaks_mib(self):
         out = {}
@@ -320,26 +303,17 @@ def machine(mxnet=False, omp_num_threads=None):
     metadata: this process need not import it); omp_num_threads: what the MXNet children run with."""
     import h5py
     import numpy as np
-    model = ""
     try:
         with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
+            model = next((ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")), "")
     except OSError:
-        pass
+        model = ""
     return {
         "cpus": os.cpu_count(),
         "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_model": model,
-        "machine": platform.machine(),
-        "system": f"{platform.system()} {platform.release()}",
-        "python": platform.python_version(),
-        "numpy": np.__version__,
-        "h5py": h5py.__version__,
-        "hdf5": h5py.version.hdf5_version,
+        "processor": platform.processor() or platform.machine(), "cpu_model": model, "machine": platform.machine(),
+        "system": f"{platform.system()} {platform.release()}", "python": platform.python_version(),
+        "numpy": np.__version__, "h5py": h5py.__version__, "hdf5": h5py.version.hdf5_version,
         "omp_num_threads": str(omp_num_threads) if omp_num_threads else os.environ.get("OMP_NUM_THREADS"),
         **({"mxnet": _mxnet_version()} if mxnet else {}),
     }
@@ -376,11 +350,7 @@ def md_table(headers, rows, pad=True):
 
 def rate(x):
     """Rows per second, human-readable."""
-    if x >= 1e6:
-        return f"{x / 1e6:.2f}M"
-    if x >= 1e3:
-        return f"{x / 1e3:.1f}k"
-    return f"{x:.0f}"
+    return f"{x / 1e6:.2f}M" if x >= 1e6 else f"{x / 1e3:.1f}k" if x >= 1e3 else f"{x:.0f}"
 
 
 def verdict(value, floor, higher_is_better=True):
@@ -402,8 +372,7 @@ def section(title, table, note):
 
 # -- where a run writes ------------------------------------------------------------------------------------
 def scratch_dir(tmp, prefix):
-    """A new directory for a run's temporary files, in tmp (created if need be) or the system's;
-    absolute, since children run in other directories."""
+    """A new directory for a run's files, in tmp (made if need be) or the system's; absolute: children run elsewhere."""
     if tmp:
         os.makedirs(tmp, exist_ok=True)
     return os.path.abspath(tempfile.mkdtemp(prefix=prefix, dir=tmp))

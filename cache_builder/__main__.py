@@ -8,7 +8,7 @@ import sys
 import time
 
 from kdcache.args import Int, Name, Option, Parser, add_options
-from pipeline.options import SHARED, Shard, check_views, resolve_teacher
+from pipeline.options import SHARED, Shard, check_applies, check_views, resolve_teacher
 
 DESCRIPTION = """\
 Run a frozen MXNet teacher forward on the CPU over a data set and store its raw logits
@@ -58,11 +58,16 @@ def parse_args(argv=None, prog="python -m cache_builder"):
     args = p.parse_args(argv)
     resolve_teacher(args, p)
     check_views(args, p)
+    check_applies(args, p)
     if args.ring and (args.shards > 1 or args.shard != "0/1"):
         p.error("argument --ring: a ring streams from one producer; drop --shard/--shards")
     if args.shards > 1 and args.shard != "0/1":
         p.error(f"argument --shards: --shards {args.shards} forks shards 0/{args.shards} .. "
                 f"{args.shards - 1}/{args.shards} itself; drop --shard")
+    if args.timeline and not (args.online or args.ring):
+        p.error("argument --timeline: an offline build follows no schedule; add --online (or drop --timeline)")
+    if args.ring_capacity is not None and not args.ring:
+        p.error("argument --ring-capacity: it sizes a ring; add --ring NAME (or drop --ring-capacity)")
     if args.split == "test" and (args.online or args.ring):
         p.error("argument --split: the test split is filled offline; drop --online/--ring")
     return args

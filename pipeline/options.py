@@ -170,6 +170,20 @@ def resolve_teacher(args, parser=None):
     return teacher
 
 
+def check_applies(args, parser):
+    """An option the data set would ignore is a mistake, not a silent no-op."""
+    base = args.dataset.split(":", 1)[0].lower()
+    for dest, flag, where, fix in (
+            ("data_root", "--data-root", ("mnist", "fashion-mnist", "cifar10", "cifar100", "npz", "recordio",
+                                          "imagefolder"), f"--dataset {base} is built in and reads no files"),
+            ("image_size", "--image-size", ("recordio", "imagefolder"),
+             "only decoded images (recordio, imagefolder) are resized; --teacher-size resizes for the teacher"),
+            ("num_classes", "--num-classes", ("npz", "recordio"),
+             f"--dataset {base} knows its classes")):
+        if getattr(args, dest) is not None and base not in where:
+            parser.error(f"argument {flag}: {fix}; drop {flag}")
+
+
 def check_views(args, parser):
     """--views V > 1 needs an augmentation: V copies of the same image would be V identical views."""
     if args.views > 1 and args.augment == "none":

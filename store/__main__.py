@@ -52,9 +52,17 @@ def cmd_ls(args):
     return 0
 
 
+def _existing(path):
+    """The base path of the cache at `path`; a path that holds no cache is a mistake (exit 2)."""
+    base = registry.base_path(path)
+    if not base or not registry.exists(base):
+        raise StoreError(f"no cache at {path!r}: pass a path that `kdcache ls` shows (P, P.h5 or P.parts)")
+    return base
+
+
 def cmd_inspect(args):
     from .segment import open_final, read_manifest, read_meta
-    base = registry.base_path(args.path)
+    base = _existing(args.path)
     fin, parts = registry.final_path(base), registry.parts_path(base)
     if os.path.exists(fin):
         with open_final(fin) as f:
@@ -63,7 +71,7 @@ def cmd_inspect(args):
     elif os.path.isdir(parts):
         meta = read_manifest(parts) or {}
     else:
-        raise StoreError(f"no cache at {base}: pass a path that `python -m store ls` shows")
+        raise StoreError(f"no cache at {base}: pass a path that `kdcache ls` shows")
     meta.update({k: v for k, v in registry.info(base).items() if k not in meta})
     if args.json:
         print(json.dumps(meta, indent=1, sort_keys=True, default=str))
@@ -74,7 +82,7 @@ def cmd_inspect(args):
 
 
 def cmd_verify(args):
-    report, problems = registry.verify(args.path)
+    report, problems = registry.verify(_existing(args.path))
     report["sound"] = not problems
     report["problems"] = problems
     if args.json:

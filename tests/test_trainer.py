@@ -66,7 +66,7 @@ def test_ctrl_c_in_the_epochs_is_kept_and_raised_at_a_safe_point():
     check: at a step, or while the loop waits for a batch. A second SIGINT is raised at once.
     Afterwards Python's own handler is back; a trainer started with SIGINT ignored keeps ignoring it."""
     import threading
-    from trainer.train import Interrupts, Prefetcher
+    from trainer.prefetch import Interrupts, Prefetcher
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     stop = Interrupts().install()
     try:
@@ -250,14 +250,15 @@ def test_the_producer_starts_before_the_trainer_imports_mxnet(teacher, tmp_path,
     so the producer's start-up overlaps the trainer's instead of stalling the first epoch."""
     code = f"""
 import glob, os, sys, time
-from trainer.options import build_parser
-from trainer.targets import start_early
-args = build_parser().parse_args(["--teacher", {teacher!r}, "--store", {store!r}, "--run", "early",
-                                  "--runs-dir", {str(tmp_path / "runs")!r}, "--cache-dir", {str(tmp_path / "c")!r}])
-early = start_early(args, 2, 1)
+from trainer.options import parse_args
+from trainer.targets import make_plan, start_early
+args = parse_args(["--teacher", {teacher!r}, "--store", {store!r}, "--run", "early",
+                   "--runs-dir", {str(tmp_path / "runs")!r}, "--cache-dir", {str(tmp_path / "c")!r}])
+args.run_name = args.run
+early = start_early(args, make_plan(args), os.path.join(args.runs_dir, args.run_name), 1, 2)
 assert "mxnet" not in sys.modules, "MXNet was imported before the producer started"
 assert early is not None and early.producer is not None and early.producer.poll() is None
-assert (early.ring is not None) == ({store!r} == "ring") and early.run_name == "early"
+assert (early.ring is not None) == ({store!r} == "ring") and args.run_name == "early"
 deadline = time.monotonic() + 120
 def started():  # the producer has loaded and opened its output (or, digits being small, finished)
     if early.ring is not None:

@@ -52,7 +52,7 @@ def parse_args(argv=None, prog="python -m trainer.launch"):
     else:
         args, rest = p.parse_known_args(argv)
     from trainer.options import parse_args as trainer_args
-    worker = trainer_args([*rest, "--kvstore", args.kvstore], prog=f"{prog} -- (worker options)")
+    worker = trainer_args([*rest, "--kvstore", args.kvstore], prog=f"{prog} -- (worker options)", launched=True)
     if worker.store == "ring":
         p.error("argument --store: distributed workers read a cache; drop --store ring")
     return args, rest

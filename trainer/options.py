@@ -7,7 +7,7 @@ import os
 import re
 
 from kdcache.args import Float, Int, Name, Option, Parser, add_options, fail
-from pipeline.options import SHARED, check_views, resolve_teacher
+from pipeline.options import SHARED, check_applies, check_views, resolve_teacher
 
 DESCRIPTION = """\
 Train a student network with knowledge distillation from cached teacher logits.
@@ -121,8 +121,9 @@ def build_parser(prog="python -m trainer"):
     return p
 
 
-def parse_args(argv=None, prog="python -m trainer"):
-    """The options, checked: a mistake exits here with one line and status 2, before anything runs."""
+def parse_args(argv=None, prog="python -m trainer", launched=False):
+    """The options, checked: a mistake exits here with one line and status 2, before anything runs.
+    `launched`: checked by kdcache launch for its workers, before it sets their DMLC_* variables."""
     p = build_parser(prog)
     args = p.parse_args(argv)
     if args.cache == "auto":
@@ -130,11 +131,24 @@ def parse_args(argv=None, prog="python -m trainer"):
     if args.teacher_mode != "none":
         resolve_teacher(args, p)
     check_views(args, p)
+    check_applies(args, p)
+    if args.teacher_mode == "none":
+        for dest in ("teacher", "teacher_input", "teacher_mean", "teacher_std", "teacher_size", "cache",
+                     "producer_threads"):
+            if getattr(args, dest) is not None:
+                flag = "--" + dest.replace("_", "-")
+                p.error(f"argument {flag}: --teacher-mode none trains on the hard labels alone, without a "
+                        f"teacher; drop {flag} or use --teacher-mode cache or inline")
     if args.resume and not args.run:
         p.error("argument --resume: name the run to continue with --run NAME")
     if args.store == "ring" and args.teacher_mode != "cache":
         p.error(f"argument --store: ring streams targets from a producer; it needs --teacher-mode cache, "
                 f"not {args.teacher_mode}")
+    if (args.kvstore or "").startswith("dist") and not launched and not all(os.environ.get(v) for v in (
+            "DMLC_ROLE", "DMLC_PS_ROOT_URI", "DMLC_PS_ROOT_PORT", "DMLC_NUM_WORKER", "DMLC_NUM_SERVER")):
+        p.error(f"argument --kvstore: {args.kvstore} needs a scheduler, servers and the DMLC_* variables: start "
+                f"the workers with kdcache launch (or set DMLC_ROLE, DMLC_PS_ROOT_URI, DMLC_PS_ROOT_PORT, "
+                f"DMLC_NUM_WORKER and DMLC_NUM_SERVER as the README shows)")
     if (args.kvstore or "").startswith("dist") and args.store == "ring":
         p.error("argument --store: a ring has one reader; distributed workers read a cache (--store cache)")
     return args

@@ -1,0 +1,67 @@
+"""The code's layout stays as the README's code map describes it: small modules, no import cycles."""
+import ast
+import os
+
+from tests.conftest import ROOT
+
+PACKAGES = ("kdcache", "store", "pipeline", "cache_builder", "trainer", "bench", "tests")
+MAX_LINES = 400
+
+
+def modules():
+    """{dotted module name: path} of every project module."""
+    out = {}
+    for pkg in PACKAGES:
+        for root, _, files in os.walk(os.path.join(ROOT, pkg)):
+            for f in files:
+                if f.endswith(".py"):
+                    rel = os.path.relpath(os.path.join(root, f), ROOT)[:-3].replace(os.sep, ".")
+                    out[rel[: -len(".__init__")] if rel.endswith(".__init__") else rel] = os.path.join(root, f)
+    return out
+
+
+def imports(name, path, known):
+    """The project modules `name` imports, at the top or inside functions."""
+    tree = ast.parse(open(path).read())
+    pkg = name if path.endswith("__init__.py") else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = pkg.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+        else:
+            continue
+        out.update(t for t in targets if t in known and t != name)
+    return out
+
+
+def test_no_two_modules_import_each_other():
+    known = modules()
+    graph = {m: imports(m, p, known) for m, p in known.items()}
+    pairs = sorted({tuple(sorted((a, b))) for a, deps in graph.items() for b in deps
+                    if a in graph.get(b, ()) and not (a.startswith(b + ".") or b.startswith(a + "."))})
+    assert not pairs, f"modules that import each other: {pairs}"
+
+
+def test_no_module_is_over_400_lines_without_a_reason_at_its_top():
+    long = []
+    for name, path in modules().items():
+        lines = open(path).read().splitlines()
+        head = "\n".join(lines[:15]).lower()
+        if len(lines) > MAX_LINES and "lines:" not in head:
+            long.append(f"{name} ({len(lines)} lines)")
+    assert not long, f"over {MAX_LINES} lines, with no reason stated at the top ('... lines: <why>'): {long}"
+
+
+def test_store_imports_no_mxnet_and_nothing_of_the_other_packages():
+    known = modules()
+    for name, path in known.items():
+        if name.split(".")[0] != "store":
+            continue
+        deps = imports(name, path, known) | {n for n in ("mxnet",) if f"import {n}" in open(path).read()}
+        assert not [d for d in deps if d.split(".")[0] not in ("store", "kdcache")], (name, deps)

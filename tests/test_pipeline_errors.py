@@ -1,0 +1,174 @@
+"""Errors users cause when loading a data set: each names the file, the cause and the fix."""
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from pipeline import load_dataset
+from tests.datafiles import (ALL_KINDS, FILE_KINDS, dataset_error, make_cifar, make_folder, make_mnist, make_rec,
+                             rng_for, write_idx, write_rec)
+
+
+# --- errors users cause ------------------------------------------------------------------
+def test_missing_files_name_the_file_and_data_root(tmp_path):
+    (tmp_path / "empty").mkdir()
+    empty = str(tmp_path / "empty")
+    dataset_error(lambda: load_dataset("mnist", data_root=empty), "train-images-idx3-ubyte", "--data-root")
+    dataset_error(lambda: load_dataset("fashion-mnist", data_root=empty, split="test"), "t10k-images", "--data-root")
+    dataset_error(lambda: load_dataset("cifar10", data_root=empty), "data_batch_1.bin", "--data-root")
+    dataset_error(lambda: load_dataset("cifar100", data_root=empty), "train.bin", "--data-root")
+    dataset_error(lambda: load_dataset("imagefolder", data_root=empty), "no images", "<class>")
+    dataset_error(lambda: load_dataset("npz", data_root=str(tmp_path / "nope.npz")), "nope.npz", "does not exist")
+    dataset_error(lambda: load_dataset("npz", data_root=empty), "pass the .npz file")
+    # the labels file alone missing
+    make_mnist(tmp_path / "m")
+    os.remove(tmp_path / "m" / "train-labels-idx1-ubyte")
+    dataset_error(lambda: load_dataset("mnist", data_root=str(tmp_path / "m")), "train-labels-idx1-ubyte")
+    # one CIFAR-10 batch of five missing
+    make_cifar(tmp_path / "c", c100=False)
+    os.remove(tmp_path / "c" / "cifar-10-batches-bin" / "data_batch_5.bin")
+    dataset_error(lambda: load_dataset("cifar10", data_root=str(tmp_path / "c")), "data_batch_5.bin")
+
+
+def test_idx_with_a_wrong_magic_is_refused(tmp_path):
+    make_mnist(tmp_path)
+    img = tmp_path / "train-images-idx3-ubyte"
+    good = img.read_bytes()
+    img.write_bytes(b"\x12\x34\x56\x78" + good[4:])
+    dataset_error(lambda: load_dataset("mnist", data_root=str(tmp_path)), "magic", "right file")
+    img.write_bytes(bytes([0, 0, 0x0D, 3]) + good[4:])  # IDX of floats, not of bytes
+    dataset_error(lambda: load_dataset("mnist", data_root=str(tmp_path)), "magic")
+    # the images and labels files swapped
+    lab = tmp_path / "train-labels-idx1-ubyte"
+    labels = lab.read_bytes()
+    img.write_bytes(labels)
+    lab.write_bytes(good)
+    dataset_error(lambda: load_dataset("mnist", data_root=str(tmp_path)), "0x00000803", "swapped")
+
+
+def test_truncated_idx_is_refused(tmp_path):
+    make_mnist(tmp_path / "raw")
+    img = tmp_path / "raw" / "train-images-idx3-ubyte"
+    good = img.read_bytes()
+    img.write_bytes(good[:-5])
+    dataset_error(lambda: load_dataset("mnist", data_root=str(tmp_path / "raw")), "truncated")
+    img.write_bytes(good[:10])  # inside the header's dims
+    dataset_error(lambda: load_dataset("mnist", data_root=str(tmp_path / "raw")), "truncated")
+    make_mnist(tmp_path / "gz", gz=True)
+    gzf = tmp_path / "gz" / "train-images-idx3-ubyte.gz"
+    gzf.write_bytes(gzf.read_bytes()[:-30])  # the gzip stream cut short
+    dataset_error(lambda: load_dataset("mnist", data_root=str(tmp_path / "gz")), "truncated")
+
+
+@pytest.mark.parametrize("c100", [False, True], ids=["cifar10", "cifar100"])
+def test_cifar_file_of_partial_records_is_refused(tmp_path, c100):
+    make_cifar(tmp_path, c100)
+    d = tmp_path / ("cifar-100-binary" if c100 else "cifar-10-batches-bin")
+    f = d / ("test.bin" if c100 else "test_batch.bin")
+    f.write_bytes(f.read_bytes()[:-100])
+    rec = 3074 if c100 else 3073
+    dataset_error(lambda: load_dataset("cifar100" if c100 else "cifar10", data_root=str(tmp_path), split="test"),
+                  f"{rec}-byte records", "truncated")
+
+
+class _Payload:
+    """Unpickling this runs os.mkdir: proof that a loader unpickled what a file held."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return os.mkdir, (self.path,)
+
+
+def test_npz_object_array_is_refused_unread(tmp_path):
+    marker = str(tmp_path / "unpickled")
+    x = np.empty(2, dtype=object)
+    x[0], x[1] = _Payload(marker), np.zeros((4, 4))
+    p = tmp_path / "evil.npz"
+    np.savez(p, x_train=x, y_train=np.array([0, 1]))
+    dataset_error(lambda: load_dataset("npz", data_root=str(p)), "object arrays", "refused", "numeric")
+    assert not os.path.exists(marker)
+
+
+def test_npz_without_known_keys_lists_them(tmp_path):
+    p = tmp_path / "d.npz"
+    np.savez(p, images=np.zeros((2, 4, 4), np.uint8), targets=np.array([0, 1]))
+    dataset_error(lambda: load_dataset("npz", data_root=str(p)), "x_train/y_train", "x/y", "images")
+    np.savez(p, x=np.zeros((2, 4, 4), np.uint8), y=np.array([0, 1]))  # no test arrays
+    dataset_error(lambda: load_dataset("npz", data_root=str(p), split="test"), "x_test/y_test")
+    np.save(tmp_path / "a.npy", np.zeros((2, 4, 4), np.uint8))
+    dataset_error(lambda: load_dataset("npz", data_root=str(tmp_path / "a.npy")), ".npy", "np.savez")
+
+
+def test_npz_values_outside_the_unit_range_or_bad_labels_are_refused(tmp_path):
+    p = tmp_path / "d.npz"
+    np.savez(p, x=np.full((2, 3, 4, 4), 200.0), y=np.array([0, 1]))  # floats in 0..255
+    dataset_error(lambda: load_dataset("npz", data_root=str(p)), "outside [0, 1]", "uint8")
+    np.savez(p, x=np.zeros((2, 4, 4), np.uint8), y=np.array([0.0, 1.0]))
+    dataset_error(lambda: load_dataset("npz", data_root=str(p)), "integer")
+    np.savez(p, x=np.zeros((2, 4, 4), np.uint8), y=np.eye(2, dtype=np.int64))  # one-hot
+    dataset_error(lambda: load_dataset("npz", data_root=str(p)), "one-hot")
+
+
+def test_labels_out_of_range_are_refused(tmp_path):
+    make_mnist(tmp_path / "m")
+    write_idx(tmp_path / "m" / "train-labels-idx1-ubyte", np.array([10] + [0] * 9))
+    dataset_error(lambda: load_dataset("mnist", data_root=str(tmp_path / "m")), "labels outside [0, 10)")
+    made = make_cifar(tmp_path / "c", c100=False)
+    x, y, _ = made["test"]
+    np.concatenate([np.full((len(x), 1), 10, np.uint8), x.reshape(len(x), -1)], 1).tofile(
+        tmp_path / "c" / "cifar-10-batches-bin" / "test_batch.bin")
+    dataset_error(lambda: load_dataset("cifar10", data_root=str(tmp_path / "c"), split="test"), "labels outside")
+    p = tmp_path / "d.npz"
+    np.savez(p, x=np.zeros((3, 4, 4), np.uint8), y=np.array([0, 3, 1]))
+    dataset_error(lambda: load_dataset("npz", data_root=str(p), num_classes=3), "labels outside [0, 3)")
+    np.savez(p, x=np.zeros((3, 4, 4), np.uint8), y=np.array([0, -1, 1]))
+    dataset_error(lambda: load_dataset("npz", data_root=str(p)), "labels outside")
+    rec, _, _ = make_rec(tmp_path / "r")  # labels 0..2
+    dataset_error(lambda: load_dataset("recordio", data_root=rec, num_classes=2), "labels outside [0, 2)",
+                  "--num-classes")
+    img = np.zeros((4, 4, 3), np.uint8)
+    neg = write_rec(tmp_path / "neg.rec", [img, img], [1, -1])
+    dataset_error(lambda: load_dataset("recordio", data_root=neg), "labels outside")
+
+
+def test_recordio_mixed_sizes_need_image_size(tmp_path):
+    r = rng_for(9)
+    imgs = [r.integers(0, 256, s, dtype=np.uint8) for s in ((5, 4, 3), (6, 6, 3), (5, 4, 3))]
+    rec = write_rec(tmp_path / "m.rec", imgs, [0, 1, 0])
+    ds = load_dataset("recordio", data_root=rec)
+    assert ds[1][0].shape == (3, 6, 6)
+    assert ds.get_batch([0, 2])[0].shape == (2, 3, 5, 4)  # same sizes batch fine
+    dataset_error(lambda: ds.get_batch([0, 1]), "different sizes", "--image-size")
+    ds = load_dataset("recordio", data_root=rec, image_size="3x2")
+    x, y = ds.get_batch([0, 1, 2])
+    assert x.shape == (3, 3, 3, 2) and x.dtype == np.float32 and ds.shape == (3, 3, 2)
+    assert 0 <= x.min() and x.max() <= 1 and y.tolist() == [0, 1, 0]
+    assert np.array_equal(x[1], ds[1][0])
+    dataset_error(lambda: load_dataset("recordio", data_root=rec, image_size="32"), "HxW")
+
+
+def test_recordio_needs_its_idx(tmp_path):
+    rec, _, _ = make_rec(tmp_path)
+    os.remove(rec[:-4] + ".idx")
+    dataset_error(lambda: load_dataset("recordio", data_root=rec), "train.idx", ".rec file and its .idx")
+    shutil.copy(rec, tmp_path / "data.bin")
+    dataset_error(lambda: load_dataset("recordio", data_root=str(tmp_path / "data.bin")), "pass the .rec file")
+
+
+def test_unknown_name_and_missing_data_root(tmp_path):
+    msg = dataset_error(lambda: load_dataset("imagenet"), "unknown data set 'imagenet'")
+    assert all(n in msg for n in ALL_KINDS)
+    for name in FILE_KINDS:
+        dataset_error(lambda: load_dataset(name), f"--dataset {name}", "pass --data-root")
+    dataset_error(lambda: load_dataset("mnist", data_root=str(tmp_path / "absent")), "does not exist")
+    dataset_error(lambda: load_dataset("digits", split="val"), "use train or test")
+    dataset_error(lambda: load_dataset("synthetic:n=ten"), "synthetic:n=20000")
+
+
+def test_imagefolder_without_a_test_folder_never_evaluates_on_training_images(tmp_path):
+    make_folder(tmp_path)
+    assert len(load_dataset("imagefolder", data_root=str(tmp_path))) > 0
+    dataset_error(lambda: load_dataset("imagefolder", data_root=str(tmp_path), split="test"), "test/", "root/train")

@@ -69,10 +69,11 @@ def train_teacher(kids, prefix, epochs, seed=0):
 
 def train_student(kids, work, teacher, mode, seed, p, dtype):
     name = f"{mode}-seed{seed}"
-    argv = python_m("trainer", "--teacher", teacher, "--teacher-mode", mode, "--student", p["student"],
+    teacher_opts = ["--teacher", teacher, "--producer-threads", 1] if mode != "none" else []  # none: no teacher
+    argv = python_m("trainer", *teacher_opts, "--teacher-mode", mode, "--student", p["student"],
                     "--epochs", p["epochs"], "--lr", repr(p["lr"]), "--batch-size", p["batch_size"],
                     "--temperature", repr(p["temperature"]), "--alpha", repr(p["alpha"]), "--seed", seed,
-                    "--dtype", dtype, "--threads", 1, "--producer-threads", 1, "--quiet", "--json",
+                    "--dtype", dtype, "--threads", 1, "--quiet", "--json",
                     "--runs-dir", os.path.join(work, "runs"), "--cache-dir", os.path.join(work, "caches"),
                     "--run", name)
     m = kids.run(argv, f"the {mode} student, seed {seed}", timeout=1200)

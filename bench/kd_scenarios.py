@@ -31,10 +31,10 @@ log = make_log("bench.kd")
 # -- one pair ----------------------------------------------------------------------------------------------
 def trainer_argv(dataset, run_dir_root, run, epochs, *, mode, teacher=None, cache_dir=None, store=None, ctx=None):
     argv = python_m("trainer", "--dataset", dataset, "--student", STUDENT, "--epochs", epochs, "--batch-size", BATCH,
-                    "--seed", SEED, "--threads", THREADS, "--producer-threads", THREADS, "--teacher-mode", mode,
+                    "--seed", SEED, "--threads", THREADS, "--teacher-mode", mode,
                     "--quiet", "--json", "--runs-dir", run_dir_root, "--run", run)
-    if teacher:
-        argv += ["--teacher", teacher]
+    if mode != "none":  # without a teacher, teacher options are refused as mistakes
+        argv += ["--producer-threads", THREADS] + (["--teacher", teacher] if teacher else [])
     if cache_dir:
         argv += ["--cache-dir", cache_dir]
     if store:

@@ -248,7 +248,13 @@ def fill(args, log, shard, path, spec, dataset, augment, topt, result, t0, timel
     from pipeline.schedule import EpochDigests
     from pipeline.teacher import check_fits, load_teacher
     from store import CacheWriter
+    from store.registry import final_path
     args_shard = f"{shard[0]}/{shard[1]}"
+    teacher = None
+    if not os.path.exists(final_path(path)):
+        # The teacher must fit the data before anything is written: a mistake leaves no cache behind.
+        teacher = load_teacher(topt, args.batch_size)
+        check_fits(teacher, dataset)
     writer = CacheWriter(path, spec, shard=shard)
     try:
         if writer.complete or writer.remaining == 0:
@@ -258,8 +264,6 @@ def fill(args, log, shard, path, spec, dataset, augment, topt, result, t0, timel
         else:
             log.info("cache %s: %d of %d rows to compute (shard %s)", spec.fingerprint, writer.remaining,
                      spec.num_keys, args_shard)
-            teacher = load_teacher(topt, args.batch_size)
-            check_fits(teacher, dataset)
             if args.online:
                 digests = EpochDigests(len(dataset), args.batch_size)
                 stats = produce_online(teacher, dataset, CacheSink(writer), seed=args.seed, augment=augment,

@@ -61,6 +61,9 @@ def main(argv=None, prog="python -m trainer"):
         # and a producer that both use every core run several times slower.
         os.environ["OMP_NUM_THREADS"] = str(threads)
         os.environ.setdefault("MXNET_SUBGRAPH_VERBOSE", "0")
+        if args.ctx.startswith("gpu"):  # GPUs MXNet cannot see: say so before a producer starts
+            from trainer.train import resolve_ctx
+            resolve_ctx(args.ctx)
         if plan is not None:
             # The producer starts now, before this process imports MXNet: its start-up overlaps ours.
             early = start_early(args, plan, run_dir, threads, cores)

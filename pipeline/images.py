@@ -1,10 +1,107 @@
-"""Image data sets MXNet decodes on demand: RecordIO (.rec + .idx) and image folders (root/<class>/<image>)."""
+"""Image data sets MXNet decodes on demand: RecordIO (.rec + .idx) and image folders (root/<class>/<image>).
+
+Decoding is lazy (per sample, when a batch asks for it), except the first image, decoded at load
+time for the shape. A file or record that cannot be read or decoded raises DatasetError naming it,
+wherever that happens.
+"""
 import hashlib
 import os
+import re
+import struct
 
 import numpy as np
 
 from .dataset_base import Dataset, DatasetError
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+PNG_IEND = b"\x00\x00\x00\x00IEND\xaeB`\x82"  # the last chunk of every PNG, always these 12 bytes
+FOLDER_FIX = "remove or replace it"
+FOLDER_READ_FIX = "make it readable, or remove or replace it"
+
+
+def image_defect(buf):
+    """Why `buf` is not a whole image, or None. MXNet's decoder does not say: a cut-off JPEG decodes
+    to an image filled with gray, and a PNG cut inside its header to zeros or to a garbage shape.
+    Formats other than PNG and JPEG are left to the decoder."""
+    if len(buf) == 0:
+        return "it is empty (0 bytes)"
+    if PNG_SIGNATURE.startswith(buf[:8]):  # the signature, or a file cut inside it
+        if buf.endswith(PNG_IEND) or _png_complete(buf):
+            return None
+        return "truncated or damaged PNG (its chunks do not reach the IEND chunk)"
+    if buf.startswith(b"\xff\xd8"):
+        # Trailing zeros after the end-of-image marker are common padding, not damage.
+        if buf.rstrip(b"\0").endswith(b"\xff\xd9"):
+            return None
+        scan = _jpeg_first_scan(buf)
+        if scan is None:
+            return None  # headers this walk does not follow: the decoder judges
+        if scan < 0 or buf.find(b"\xff\xd9", scan) < 0:
+            return "truncated JPEG (no end-of-image marker after its image data)"
+    return None
+
+
+def _png_complete(buf):
+    """Whether the chunks, walked from the signature, reach an IEND chunk (data may follow it)."""
+    pos = len(PNG_SIGNATURE)
+    while pos + 12 <= len(buf):
+        size = int.from_bytes(buf[pos:pos + 4], "big")
+        kind = buf[pos + 4:pos + 8]
+        pos += 12 + size
+        if pos > len(buf):
+            return False
+        if kind == b"IEND":
+            return True
+    return False
+
+
+def _jpeg_first_scan(buf):
+    """Offset where the first scan's data starts; -1 when the file ends inside the headers; None
+    when the headers do not parse. In scan data a 0xFF byte is followed by 0x00 or a restart
+    marker, so an FF D9 after this offset can only be the end-of-image marker."""
+    pos, n = 2, len(buf)
+    while pos + 4 <= n:
+        if buf[pos] != 0xFF:
+            return None
+        marker = buf[pos + 1]
+        if marker == 0xFF:  # fill byte
+            pos += 1
+        elif marker == 0x01 or 0xD0 <= marker <= 0xD7:  # markers without a length
+            pos += 2
+        elif marker == 0xD9:  # end of image before any scan
+            return None
+        else:
+            pos += 2 + int.from_bytes(buf[pos + 2:pos + 4], "big")
+            if marker == 0xDA:
+                return pos if pos <= n else -1
+    return -1
+
+
+def _mxnet_reason(e):
+    """The last line of an MXNet error (its traceback is MXNet's, not the user's), without the
+    'Check failed: <C++ expression>:' before the reason."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    last = lines[-1] if lines else ""
+    if "Check failed:" in last:
+        last = last.rsplit(": ", 1)[-1]
+    return re.sub(r"^MXNetError: ", "", last)[:160] or type(e).__name__
+
+
+def read_file(path, fix):
+    """The bytes of one image file; DatasetError naming it when it cannot be read."""
+    try:
+        with open(path, "rb") as fh:
+            return fh.read()
+    except OSError as e:
+        raise DatasetError(f"{path}: cannot be read ({e.strerror or e}): {fix}") from None
+
+
+def file_size(path, fix):
+    """Size of one image file; DatasetError naming it when it cannot be reached (a dangling link)."""
+    try:
+        return os.path.getsize(path)
+    except OSError as e:
+        raise DatasetError(f"{path}: cannot be read ({e.strerror or e}): {fix}") from None
 
 
 class DecodedDataset(Dataset):
@@ -30,11 +127,21 @@ class DecodedDataset(Dataset):
     def __len__(self):
         return self._n
 
-    def _image(self, nd_img):
+    def _image(self, buf, where, fix, path=None):
+        """float32 [C, H, W] in [0, 1] from the encoded bytes of one image; `where` names it in errors.
+        With `path` (the file `buf` was read from) MXNet reads the file itself: imdecode would first
+        copy the bytes into an NDArray, which costs more than reading the file again."""
         import mxnet as mx
-        if self.size is not None:
-            nd_img = mx.image.imresize(nd_img, self.size[1], self.size[0])
-        a = nd_img.asnumpy()
+        defect = image_defect(buf)
+        if defect:
+            raise DatasetError(f"{where}: cannot be decoded as an image: {defect}: {fix}")
+        try:
+            nd_img = mx.image.imread(path) if path is not None else mx.image.imdecode(buf)
+            if self.size is not None:
+                nd_img = mx.image.imresize(nd_img, self.size[1], self.size[0])
+            a = nd_img.asnumpy()  # MXNet decodes asynchronously: its errors surface here
+        except mx.base.MXNetError as e:
+            raise DatasetError(f"{where}: cannot be decoded as an image ({_mxnet_reason(e)}): {fix}") from None
         if a.ndim == 2:
             a = a[:, :, None]
         return a.transpose(2, 0, 1).astype(np.float32) / np.float32(255.0)
@@ -69,11 +176,16 @@ class RecordIODataset(DecodedDataset):
                 raise DatasetError(f"missing {p}: RecordIO needs the .rec file and its .idx index (im2rec writes both)")
         self.rec_path, self.idx_path = rec_path, idx_path
         with open(idx_path) as fh:
-            self.keys = [int(line.split("\t")[0]) for line in fh if line.strip()]
-        rec = mx.recordio.MXIndexedRecordIO(idx_path, rec_path, "r")
+            lines = [line for line in fh if line.strip()]
+        try:
+            self.keys = [int(line.split("\t")[0]) for line in lines]
+            rec = mx.recordio.MXIndexedRecordIO(idx_path, rec_path, "r")  # parses the offsets
+        except (ValueError, IndexError):
+            raise DatasetError(f"{idx_path}: not a RecordIO index (lines of <record key><tab><offset>): "
+                               f"rebuild it with the .rec (im2rec)") from None
         labels = []
         for k in self.keys:
-            header, _ = mx.recordio.unpack(rec.read_idx(k))
+            header, _ = self._record(rec, k)
             lab = header.label
             labels.append(int(lab if np.isscalar(lab) else np.asarray(lab).reshape(-1)[0]))
         rec.close()
@@ -88,13 +200,32 @@ class RecordIODataset(DecodedDataset):
         super().__init__("recordio", split, len(self.keys), labels, classes, size,
                          {"digest": h.hexdigest(), "file": os.path.basename(rec_path)})
 
+    def _fix(self, k):
+        return (f"rebuild {os.path.basename(self.rec_path)} (im2rec), or remove record {k}'s line from "
+                f"{os.path.basename(self.idx_path)}")
+
+    def _record(self, rec, k):
+        """(header, image bytes) of record k; DatasetError naming the .rec file and the record."""
+        import mxnet as mx
+        try:
+            raw = rec.read_idx(k)
+            if raw is None:  # read past the end of the file
+                raise EOFError("the .rec file ends before it")
+            return mx.recordio.unpack(raw)
+        except (mx.base.MXNetError, EOFError, struct.error) as e:
+            reason = _mxnet_reason(e) if isinstance(e, mx.base.MXNetError) else str(e)
+            raise DatasetError(f"{self.rec_path}: record {k} cannot be read ({reason}): the file is truncated "
+                               f"or damaged, or {os.path.basename(self.idx_path)} belongs to another file; "
+                               f"{self._fix(k)}") from None
+
     def _decode(self, i):
         import mxnet as mx
         if self._pid != os.getpid():
             self._rec = mx.recordio.MXIndexedRecordIO(self.idx_path, self.rec_path, "r")
             self._pid = os.getpid()
-        _, img = mx.recordio.unpack(self._rec.read_idx(self.keys[i]))
-        return self._image(mx.image.imdecode(img))
+        k = self.keys[i]
+        _, img = self._record(self._rec, k)
+        return self._image(img, f"{self.rec_path}: record {k}", self._fix(k))
 
 
 class ImageFolderDataset(DecodedDataset):
@@ -115,15 +246,15 @@ class ImageFolderDataset(DecodedDataset):
             raise DatasetError(f"{root}: no images found in class sub-folders (root/<class>/<image>.jpg)")
         items = self._folder.items
         h = hashlib.sha256()
-        total = sum(os.path.getsize(p) for p, _ in items)
-        for p, lab in items:  # full content digest up to 1 GiB of images, else names and sizes
-            h.update(f"{os.path.relpath(p, root)}\0{lab}\0{os.path.getsize(p)}\0".encode())
+        sizes = [file_size(p, FOLDER_READ_FIX) for p, _ in items]
+        total = sum(sizes)
+        for (p, lab), nbytes in zip(items, sizes):  # full content digest up to 1 GiB of images, else names and sizes
+            h.update(f"{os.path.relpath(p, root)}\0{lab}\0{nbytes}\0".encode())
             if total <= (1 << 30):
-                with open(p, "rb") as fh:
-                    h.update(hashlib.sha256(fh.read()).digest())
+                h.update(hashlib.sha256(read_file(p, FOLDER_READ_FIX)).digest())
         super().__init__("imagefolder", split, len(items), [lab for _, lab in items], len(self._folder.synsets),
                          size, {"digest": h.hexdigest(), "classes": list(self._folder.synsets)})
 
     def _decode(self, i):
-        import mxnet as mx
-        return self._image(mx.image.imread(self._folder.items[i][0]))
+        path = self._folder.items[i][0]
+        return self._image(read_file(path, FOLDER_READ_FIX), path, FOLDER_FIX, path=path)

@@ -1,13 +1,16 @@
 """Errors users cause when loading a data set: each names the file, the cause and the fix."""
+import io
 import os
 import shutil
 
+import mxnet as mx
 import numpy as np
 import pytest
+from PIL import Image
 
 from pipeline import load_dataset
 from tests.datafiles import (ALL_KINDS, FILE_KINDS, dataset_error, make_cifar, make_folder, make_mnist, make_rec,
-                             rng_for, write_idx, write_rec)
+                             png_bytes, rng_for, write_idx, write_rec)
 
 
 # --- errors users cause ------------------------------------------------------------------
@@ -172,3 +175,115 @@ def test_imagefolder_without_a_test_folder_never_evaluates_on_training_images(tm
     make_folder(tmp_path)
     assert len(load_dataset("imagefolder", data_root=str(tmp_path))) > 0
     dataset_error(lambda: load_dataset("imagefolder", data_root=str(tmp_path), split="test"), "test/", "root/train")
+
+
+# --- images that cannot be read or decoded ------------------------------------------------
+def image_file_bytes(kind):
+    """The bytes of an image file damaged in one way."""
+    img = rng_for(10).integers(0, 256, (6, 5, 3), dtype=np.uint8)
+    if kind == "empty":
+        return b""
+    if kind == "not-an-image":
+        return b"GIF? no: a text file named like an image\n"
+    if kind == "truncated-png":
+        return png_bytes(img)[:60]
+    if kind == "png-cut-in-its-header":  # MXNet alone decoded this to zeros
+        return png_bytes(img)[:30]
+    assert kind == "truncated-jpeg"  # MXNet alone decoded this, the missing part gray
+    b = io.BytesIO()
+    Image.fromarray(img).save(b, format="JPEG")
+    return b.getvalue()[:-40]
+
+
+BAD_IMAGES = ["empty", "not-an-image", "truncated-png", "png-cut-in-its-header", "truncated-jpeg"]
+
+
+def one_line(msg):
+    assert "\n" not in msg and "Traceback" not in msg and "MXNetError" not in msg, msg
+    return msg
+
+
+@pytest.mark.parametrize("kind", BAD_IMAGES)
+def test_imagefolder_image_that_does_not_decode_names_the_file(tmp_path, kind):
+    make_folder(tmp_path)
+    ext = ".jpg" if "jpeg" in kind or kind == "not-an-image" else ".png"
+    bad = tmp_path / "zebra" / f"zz-{kind}{ext}"  # sorted last: decoded only when a batch asks for it
+    bad.write_bytes(image_file_bytes(kind))
+    ds = load_dataset("imagefolder", data_root=str(tmp_path))
+    last = len(ds) - 1
+    assert ds.get_batch([0, 1])[0].shape == (2, 3, 5, 4)  # the sound images still load
+    one_line(dataset_error(lambda: ds.get_batch(np.arange(len(ds))), str(bad), "remove or replace it"))
+    one_line(dataset_error(lambda: ds[last], str(bad), "cannot be decoded", "remove or replace it"))
+
+
+@pytest.mark.parametrize("kind", BAD_IMAGES)
+def test_imagefolder_first_image_that_does_not_decode_names_the_file_at_load(tmp_path, kind):
+    make_folder(tmp_path)
+    bad = tmp_path / "ant" / "a-first.png"  # sorted first: decoded at load time, for the shape
+    bad.write_bytes(image_file_bytes(kind))
+    one_line(dataset_error(lambda: load_dataset("imagefolder", data_root=str(tmp_path)), str(bad),
+                           "remove or replace it"))
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their permissions")
+def test_imagefolder_unreadable_image_names_the_file(tmp_path):
+    make_folder(tmp_path)
+    bad = tmp_path / "moth" / "img1.png"
+    ds = load_dataset("imagefolder", data_root=str(tmp_path))
+    bad.chmod(0)
+    try:
+        for fn in (lambda: ds.get_batch(np.arange(len(ds))),  # read when a batch asks for it
+                   lambda: load_dataset("imagefolder", data_root=str(tmp_path))):  # read for the digest
+            one_line(dataset_error(fn, str(bad), "Permission denied", "make it readable", "remove or replace it"))
+    finally:
+        bad.chmod(0o644)
+
+
+def test_imagefolder_entry_that_is_no_file_names_it(tmp_path):
+    """What cannot be read even by root: a folder or a dangling link named like an image."""
+    make_folder(tmp_path)
+    (tmp_path / "moth" / "folder.png").mkdir()
+    one_line(dataset_error(lambda: load_dataset("imagefolder", data_root=str(tmp_path)),
+                           str(tmp_path / "moth" / "folder.png"), "cannot be read", "remove or replace it"))
+    shutil.rmtree(tmp_path / "moth" / "folder.png")
+    os.symlink(tmp_path / "gone.png", tmp_path / "moth" / "link.png")
+    one_line(dataset_error(lambda: load_dataset("imagefolder", data_root=str(tmp_path)),
+                           str(tmp_path / "moth" / "link.png"), "cannot be read", "remove or replace it"))
+
+
+@pytest.mark.parametrize("kind", ["not-an-image", "empty", "truncated-png", "truncated-jpeg"])
+def test_recordio_record_that_does_not_decode_names_the_file_and_record(tmp_path, kind):
+    imgs = rng_for(11).integers(0, 256, (4, 5, 4, 3), dtype=np.uint8)
+    rec = str(tmp_path / "d.rec")
+    w = mx.recordio.MXIndexedRecordIO(rec[:-4] + ".idx", rec, "w")
+    for i in range(4):
+        payload = image_file_bytes(kind) if i == 2 else png_bytes(imgs[i])
+        w.write_idx(i, mx.recordio.pack(mx.recordio.IRHeader(0, float(i % 2), i, 0), payload))
+    w.close()
+    ds = load_dataset("recordio", data_root=rec)  # record 2 is decoded only when a batch asks for it
+    assert ds.get_batch([0, 1, 3])[0].shape == (3, 3, 5, 4)
+    for fn in (lambda: ds.get_batch(np.arange(4)), lambda: ds[2]):
+        one_line(dataset_error(fn, rec, "record 2", "cannot be decoded", "d.idx"))
+    bad_first = write_rec(tmp_path / "first.rec", [np.zeros((4, 4, 3), np.uint8)] * 2, [0, 1])
+    data = open(bad_first, "rb").read()
+    with open(bad_first, "wb") as fh:  # record 0's PNG made invalid: decoded at load time, for the shape
+        fh.write(data.replace(b"\x89PNG", b"\x00PNG", 1))
+    one_line(dataset_error(lambda: load_dataset("recordio", data_root=bad_first), bad_first, "record 0"))
+
+
+def test_recordio_truncated_or_foreign_files_name_the_file_and_record(tmp_path):
+    rec, _, _ = make_rec(tmp_path)
+    good = open(rec, "rb").read()
+    with open(rec, "wb") as fh:  # the last record cut short
+        fh.write(good[:-50])
+    one_line(dataset_error(lambda: load_dataset("recordio", data_root=rec), rec, "record 5", "truncated"))
+    offset = int(open(rec[:-4] + ".idx").read().splitlines()[3].split("\t")[1])
+    damaged = bytearray(good)
+    damaged[offset] ^= 0xFF  # record 3's header no longer starts with RecordIO's magic number
+    with open(rec, "wb") as fh:
+        fh.write(bytes(damaged))
+    one_line(dataset_error(lambda: load_dataset("recordio", data_root=rec), rec, "record 3", "damaged"))
+    for index in ("not\tan index\n", "0\tzero\n"):
+        with open(rec[:-4] + ".idx", "w") as fh:
+            fh.write(index)
+        one_line(dataset_error(lambda: load_dataset("recordio", data_root=rec), "train.idx", "RecordIO index"))

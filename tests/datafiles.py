@@ -1,5 +1,7 @@
-"""Small data sets in their real file formats (IDX, CIFAR binary, RecordIO, image folders, .npz),
-written by the pipeline tests into tmp_path, and the checks those tests share."""
+"""Small data sets in their real file formats, written by the pipeline tests, and the checks they share.
+
+IDX (MNIST), CIFAR binary, RecordIO, image folders and .npz, written into a test's tmp_path.
+"""
 import gzip
 import io
 import os

@@ -1,5 +1,4 @@
-"""The shared input pipeline's data sets: every loader on real-format files written here, and the
-batch contract and identity digests every loader keeps."""
+"""Every data set loader on real-format files, and the batch contract and digests every loader keeps."""
 import numpy as np
 import pytest
 

@@ -7,7 +7,7 @@ import signal
 import sys
 import time
 
-from kdcache.args import Int, Name, Option, Parser, add_options
+from kdcache.args import Int, Name, Option, OutFile, Parser, add_options
 from pipeline.options import SHARED, Shard, check_applies, check_views, resolve_teacher
 
 DESCRIPTION = """\
@@ -37,11 +37,11 @@ PRODUCER = [
     Option("--ring-capacity", "create the ring with this many rows (default: attach to the ring the trainer "
            "made)", type=Int(1, 1 << 28), metavar="ROWS", group="producing"),
     Option("--timeline", "with --online/--ring: write (time, schedule position, rows) per step to FILE as JSON "
-           "when done", metavar="FILE", group="output"),
+           "when done", type=OutFile(), metavar="FILE", group="output"),
     Option("--json", "end with one JSON line: cache_path, fingerprint, rows_written, teacher_forwards, ...",
            action="store_true", group="output"),
     Option("--result", "write that JSON result to FILE too (atomically), for a program that started this one",
-           metavar="FILE", group="output"),
+           type=OutFile(), metavar="FILE", group="output"),
     Option("--quiet", "no progress bar", action="store_true", group="output"),
 ]
 
@@ -56,6 +56,8 @@ def parse_args(argv=None, prog="python -m cache_builder"):
     """The options, checked: a mistake exits here with one line and status 2, before anything runs."""
     p = build_parser(prog)
     args = p.parse_args(argv)
+    if args.cache == "auto":
+        args.cache = None
     resolve_teacher(args, p)
     check_views(args, p)
     check_applies(args, p)
@@ -80,7 +82,12 @@ def main(argv=None, prog="python -m cache_builder"):
     default, cores = default_threads()
     if args.shards > 1:
         default = max(1, cores // args.shards)
-    threads = args.threads or int(os.environ.get("KDCACHE_TEACHER_THREADS", 0)) or default
+    env_threads = os.environ.get("KDCACHE_TEACHER_THREADS", "")
+    if env_threads and not (env_threads.isdigit() and 1 <= int(env_threads) <= 1024):
+        print(f"error: KDCACHE_TEACHER_THREADS={env_threads!r}: use an integer from 1 to 1024, or unset it",
+              file=sys.stderr)
+        return 2
+    threads = args.threads or int(env_threads or 0) or default
     os.environ["OMP_NUM_THREADS"] = str(threads)
     os.environ.setdefault("MXNET_SUBGRAPH_VERBOSE", "0")
     logging.basicConfig(level=logging.INFO, format="[producer %(asctime)s] %(message)s", datefmt="%H:%M:%S")
@@ -292,8 +299,12 @@ def run_ring(args, log, topt, dataset, augment, spec, result, timeline):
     from pipeline.teacher import check_fits, load_teacher
     from store.ring import RingWriter
     create = args.ring_capacity is not None
+    timeout = float(os.environ.get("KDCACHE_RING_TIMEOUT", 600))
+    if not create:
+        log.info("attaching to ring %s: waiting up to %g s for the trainer to create it (--ring-capacity ROWS "
+                 "creates it here instead)", args.ring, timeout)
     ring = RingWriter(args.ring, create=create, capacity=args.ring_capacity, num_classes=spec.num_classes,
-                      codec=spec.codec, dtype=spec.dtype, timeout=float(os.environ.get("KDCACHE_RING_TIMEOUT", 600)),
+                      codec=spec.codec, dtype=spec.dtype, timeout=timeout,
                       fingerprint=spec.fingerprint)
     log.info("%s ring %s (%d rows): streaming %d epoch(s) of the schedule", "created" if create else "attached to",
              ring.name, ring.capacity, args.epochs)

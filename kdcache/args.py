@@ -84,8 +84,8 @@ class Allowed:
 class Floats(Allowed):
     """Numbers separated by commas, one per channel."""
 
-    def __init__(self, nonzero=False):
-        self.nonzero = nonzero
+    def __init__(self, positive=False):
+        self.positive = positive
 
     def __call__(self, s):
         try:
@@ -94,8 +94,8 @@ class Floats(Allowed):
             fail(f"{s!r}: use numbers separated by commas, one per channel, e.g. 0.485,0.456,0.406")
         if not all(math.isfinite(x) for x in v):
             fail(f"{s!r}: every value must be a finite number")
-        if self.nonzero and any(x == 0 for x in v):
-            fail(f"{s!r}: a zero divides by zero; every channel's value must be non-zero")
+        if self.positive and any(x <= 0 for x in v):
+            fail(f"{s!r}: every channel's value must be > 0 (it divides the images)")
         return v
 
     @staticmethod
@@ -163,6 +163,21 @@ class Dir(Allowed):
             fail("an empty path: name a directory")
         if os.path.exists(s) and not os.path.isdir(s):
             fail(f"{s!r} is a file, not a directory: name a directory (it is created when missing)")
+        return s
+
+    format = staticmethod(str)
+
+
+class OutFile(Allowed):
+    """A file to write: its folder must exist, and the path must not be a folder."""
+
+    def __call__(self, s):
+        s = str(s)
+        if not s.strip() or s.endswith(os.sep) or os.path.isdir(s):
+            fail(f"{s!r} names a folder, not a file: name a file in it")
+        parent = os.path.dirname(os.path.abspath(s))
+        if not os.path.isdir(parent):
+            fail(f"{s!r}: the folder {parent} does not exist: create it first")
         return s
 
     format = staticmethod(str)

@@ -81,6 +81,26 @@ class DatasetSpec(Allowed):
     format = staticmethod(str)
 
 
+class CachePath(Allowed):
+    """A cache's path: P, P.h5 or P.parts (not a folder of its own)."""
+
+    def __call__(self, s):
+        v = str(s).strip().rstrip("/")
+        if v == "auto":
+            return v
+        if not v:
+            fail("an empty path: name the cache, P or P.h5")
+        for suffix in (".h5", ".parts"):  # the same base, however it is named
+            if v.endswith(suffix):
+                v = v[: -len(suffix)]
+        if os.path.isdir(v):
+            fail(f"{s!r} is a folder: name the cache inside it (P: the files are P.h5 and P.parts), or pass "
+                 f"--cache-dir {s}")
+        return v
+
+    format = staticmethod(str)
+
+
 class Shard(Allowed):
     """i/n with 0 <= i < n."""
 
@@ -104,7 +124,7 @@ SHARED = [
            type=Name(), group=TEACHER),
     Option("--teacher-mean", "per-channel mean subtracted from the [0,1] images (one value, or one per channel)",
            type=Floats(), metavar="M[,M,M]", group=TEACHER),
-    Option("--teacher-std", "per-channel std the images are divided by (non-zero)", type=Floats(nonzero=True),
+    Option("--teacher-std", "per-channel std the images are divided by (> 0)", type=Floats(positive=True),
            metavar="S[,S,S]", group=TEACHER),
     Option("--teacher-size", "resize images to HxW for the teacher", type=Size(), metavar="HxW", group=TEACHER),
     Option("--dataset", "digits (embedded) | synthetic[:n=..,classes=..,shape=CxHxW,seed=..] | mnist | "
@@ -124,7 +144,8 @@ SHARED = [
            metavar="S", group=DATA, make="SEED"),
     Option("--cache-dir", "cache directory (default: $KDCACHE_DIR, else ./caches)", type=Dir(), metavar="DIR",
            group=CACHE, make="CACHE_DIR"),
-    Option("--cache", "explicit cache path instead of <cache-dir>/<fingerprint>", metavar="PATH", group=CACHE),
+    Option("--cache", "explicit cache path instead of <cache-dir>/<fingerprint>", type=CachePath(), metavar="PATH",
+           group=CACHE),
     Option("--codec", "full (raw logits) | topk:K (the K largest logits and the tail's mass)", type=Codec(),
            default="full", metavar="CODEC", group=CACHE, make="CODEC"),
     Option("--dtype", "storage type of the logits", choices=("float16", "float32"), default="float16",

@@ -90,14 +90,14 @@ class Teacher:
         ex = self._execs.get(shape)
         if ex is None:
             mx = self._mx
-            try:
+            try:  # a shape mismatch raises in either, depending on the layer
                 ex = self._sym.simple_bind(mx.cpu(), grad_req="null", **{self.input_name: shape})
+                ex.copy_params_from(self._args, self._auxs, allow_extra_params=True)
             except Exception as e:
                 raise TeacherError(f"the teacher cannot take the data set's images of shape "
                                    f"{'x'.join(map(str, shape[1:]))}: {_shape_mismatch(e, self._args)}; pass "
                                    f"the teacher trained for this data set, or --teacher-size HxW / "
                                    f"--image-size HxW to resize the images") from None
-            ex.copy_params_from(self._args, self._auxs, allow_extra_params=True)
             self._execs[shape] = ex
         return ex
 

@@ -4,6 +4,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import types
 
 import pytest
@@ -12,6 +13,8 @@ from hypothesis import strategies as st
 
 from tests.conftest import ROOT
 
+RUNS = tempfile.mkdtemp(prefix="kdcache-options-")
+os.makedirs(os.path.join(RUNS, "r"), exist_ok=True)
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MXNET_SUBGRAPH_VERBOSE": "0"}
 KDCACHE = [sys.executable, "-m", "kdcache"]
 
@@ -71,7 +74,7 @@ def test_the_producer_the_trainer_starts_gets_every_shared_option(values):
     producer, trainer = parsers()
     argv = [f"{k}={v}" for k, v in values.items()]
     args = trainer.parse_args(["--teacher", "t/teach:3", *argv])
-    args.run_name = "r"
+    args.run_name, args.runs_dir = "r", RUNS  # the run's folder exists when the trainer starts its producer
     plan = types.SimpleNamespace(topt=types.SimpleNamespace(arg="t/teach:3"), base="caches/abc")
     cmd = producer_command(args, plan, threads=1)
     assert cmd[1:3] == ["-m", "cache_builder"]

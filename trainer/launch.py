@@ -52,7 +52,10 @@ def parse_args(argv=None, prog="python -m trainer.launch"):
     else:
         args, rest = p.parse_known_args(argv)
     from trainer.options import parse_args as trainer_args
-    worker = trainer_args([*rest, "--kvstore", args.kvstore], prog=f"{prog} -- (worker options)", launched=True)
+    worker = trainer_args(rest, prog=f"{prog} -- (worker options)", launched=True)
+    if worker.kvstore is not None or worker.threads is not None:
+        p.error("the worker options set --kvstore or --threads: the launcher sets them for every worker; give them "
+                "before --, as the launcher's own options")
     if worker.store == "ring":
         p.error("argument --store: distributed workers read a cache; drop --store ring")
     return args, rest

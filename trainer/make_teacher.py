@@ -97,6 +97,8 @@ def main(argv=None, prog="python -m trainer.make_teacher"):
     p = Parser(prog=prog, description=__doc__.split("\n\n")[0])
     add_options(p, TEACHER)
     args = p.parse_args(argv)
+    if not args.out.strip() or args.out.endswith(os.sep) or os.path.isdir(args.out):
+        p.error(f"argument --out: {args.out!r} names a folder: give a prefix, e.g. teachers/digits")
     if args.augment == "auto":
         args.augment = "none"
     if args.threads:

@@ -6,7 +6,7 @@ import argparse
 import os
 import re
 
-from kdcache.args import Float, Int, Name, Option, Parser, add_options, fail
+from kdcache.args import Dir, Float, Int, Name, Option, Parser, add_options, fail
 from pipeline.options import SHARED, check_applies, check_views, resolve_teacher
 
 DESCRIPTION = """\
@@ -106,7 +106,7 @@ TRAINER = [
            metavar="S", group="distillation"),
     Option("--run", "run name: outputs go to <runs-dir>/<run>/ (default: a time stamp)", type=Name(),
            metavar="NAME", group="run", make="RUN"),
-    Option("--runs-dir", "where runs are written", default="runs", metavar="DIR", group="run"),
+    Option("--runs-dir", "where runs are written", type=Dir(), default="runs", metavar="DIR", group="run"),
     Option("--resume", "continue <runs-dir>/<run>/ from its last checkpoint (needs --run)", action="store_true",
            group="run"),
     Option("--quiet", "no progress bars", action="store_true", group="run"),
@@ -141,6 +141,9 @@ def parse_args(argv=None, prog="python -m trainer", launched=False):
                         f"teacher; drop {flag} or use --teacher-mode cache or inline")
     if args.resume and not args.run:
         p.error("argument --resume: name the run to continue with --run NAME")
+    if args.store == "ring" and args.no_producer:
+        p.error("argument --no-producer: the trainer creates its ring and starts the producer that fills it; "
+                "drop --no-producer (or use --store cache to read behind a producer started elsewhere)")
     if args.store == "ring" and args.teacher_mode != "cache":
         p.error(f"argument --store: ring streams targets from a producer; it needs --teacher-mode cache, "
                 f"not {args.teacher_mode}")

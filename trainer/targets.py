@@ -76,8 +76,15 @@ def stop_producer(proc, timeout=10.0):
 
 
 def producer_failure(proc, log_path):
-    """The producer's own error line, when it exited with one."""
-    if proc is None or proc.poll() in (None, 0):
+    """The producer's own error line, when it exited with one (given a few seconds to exit: the
+    store may notice a producer gone before the kernel has reaped it)."""
+    if proc is None:
+        return None
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        return None
+    if proc.returncode == 0:
         return None
     if proc.returncode < 0:
         try:

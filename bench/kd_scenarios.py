@@ -34,7 +34,7 @@ def trainer_argv(dataset, run_dir_root, run, epochs, *, mode, teacher=None, cach
                     "--seed", SEED, "--threads", THREADS, "--teacher-mode", mode,
                     "--quiet", "--json", "--runs-dir", run_dir_root, "--run", run)
     if mode != "none":  # without a teacher, teacher options are refused as mistakes
-        argv += ["--producer-threads", THREADS] + (["--teacher", teacher] if teacher else [])
+        argv += ["--producer-threads", str(THREADS)] + (["--teacher", teacher] if teacher else [])
     if cache_dir:
         argv += ["--cache-dir", cache_dir]
     if store:

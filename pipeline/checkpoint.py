@@ -32,7 +32,8 @@ def checkpoint_files(prefix, epoch=None):
                            f"PREFIX-symbol.json and PREFIX-NNNN.params exist (as HybridBlock.export or "
                            f"Module.save_checkpoint write them)")
     if epoch is None:
-        found = sorted(glob.glob(glob.escape(prefix) + "-[0-9][0-9][0-9][0-9].params"))
+        found = sorted(p for p in glob.glob(glob.escape(prefix) + "-[0-9][0-9][0-9][0-9].params")
+                       if os.path.isfile(p))
         if not found:
             raise TeacherError(f"no parameter file {prefix}-NNNN.params next to {sym}: export the teacher's "
                                f"weights too, or pass PREFIX:EPOCH")

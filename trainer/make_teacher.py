@@ -99,6 +99,11 @@ def main(argv=None, prog="python -m trainer.make_teacher"):
     args = p.parse_args(argv)
     if not args.out.strip() or args.out.endswith(os.sep) or os.path.isdir(args.out):
         p.error(f"argument --out: {args.out!r} names a folder: give a prefix, e.g. teachers/digits")
+    parent = os.path.dirname(os.path.abspath(args.out))
+    while not os.path.exists(parent):  # the folders are created; none of them may be a file
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        p.error(f"argument --out: {parent} is a file, not a folder: give a prefix in a folder")
     if args.augment == "auto":
         args.augment = "none"
     if args.threads:

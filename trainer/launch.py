@@ -87,7 +87,10 @@ def main(argv=None, prog="python -m trainer.launch"):
     workers = []
     for i in range(args.workers):
         cmd = [sys.executable, "-m", "trainer", "--kvstore", args.kvstore, "--threads", str(threads), *rest]
-        workers.append(spawn("worker", cmd, {"OMP_NUM_THREADS": str(threads)}))
+        # Without oneDNN (MKL-DNN): it keeps convolution weights in a layout of its own that MXNet 1.9's
+        # kvstore cannot send ("can't generate TBlob for MKLDNN data"), so a convolutional student failed
+        # at its first broadcast. Worker 0's producer inherits this (its teacher runs without oneDNN).
+        workers.append(spawn("worker", cmd, {"OMP_NUM_THREADS": str(threads), "MXNET_MKLDNN_ENABLED": "0"}))
     print(f"[launch] scheduler on 127.0.0.1:{port}, {args.servers} server(s), {args.workers} worker(s) "
           f"({args.kvstore}, {threads} thread(s) each)", flush=True)
 

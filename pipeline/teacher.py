@@ -90,14 +90,23 @@ class Teacher:
         ex = self._execs.get(shape)
         if ex is None:
             mx = self._mx
-            try:  # a shape mismatch raises in either, depending on the layer
+            try:  # shape inference fails here for some layers; for others the shapes differ below
                 ex = self._sym.simple_bind(mx.cpu(), grad_req="null", **{self.input_name: shape})
-                ex.copy_params_from(self._args, self._auxs, allow_extra_params=True)
+                why = None
             except Exception as e:
+                ex, why = None, _shape_mismatch(e, self._args)
+            if ex is not None:
+                bound = {**ex.arg_dict, **ex.aux_dict}
+                bad = [(n, tuple(v.shape), tuple(bound[n].shape)) for n, v in {**self._args, **self._auxs}.items()
+                       if n in bound and tuple(bound[n].shape) != tuple(v.shape)]
+                if bad:
+                    n, saved, needed = bad[0]
+                    why = f"its parameter {n} has shape {saved}, images of this shape need {needed}"
+            if why is not None:
                 raise TeacherError(f"the teacher cannot take the data set's images of shape "
-                                   f"{'x'.join(map(str, shape[1:]))}: {_shape_mismatch(e, self._args)}; pass "
-                                   f"the teacher trained for this data set, or --teacher-size HxW / "
-                                   f"--image-size HxW to resize the images") from None
+                                   f"{'x'.join(map(str, shape[1:]))}: {why}; pass the teacher trained for this "
+                                   f"data set, or --teacher-size HxW / --image-size HxW to resize the images")
+            ex.copy_params_from(self._args, self._auxs, allow_extra_params=True)
             self._execs[shape] = ex
         return ex
 

@@ -318,3 +318,16 @@ def test_help_names_every_option():
     for opt in ("--teacher", "--dataset", "--data-root", "--cache-dir", "--views", "--codec", "--dtype", "--seed",
                 "--epochs", "--batch-size", "--threads", "--shard", "--online", "--json", "--ring"):
         assert opt in r.stdout
+
+
+def test_a_teacher_for_other_images_is_refused_naming_both_shapes(tmp_path):
+    """A teacher exported for 3-channel images, run on 1-channel digits: one line naming the layer's
+    parameter, its shape and the shape these images need; nothing cached."""
+    from tests.helpers import gluon_teacher
+    prefix = str(tmp_path / "t3")
+    gluon_teacher(prefix, in_ch=3)
+    r = cli("--teacher", prefix, "--cache-dir", tmp_path / "c", check=False)
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "1x8x8" in last and "(4, 3, 3, 3)" in last and "(4, 1, 3, 3)" in last, last
+    assert not (tmp_path / "c").exists() or not os.listdir(tmp_path / "c")

@@ -22,7 +22,16 @@ def fail(message):
 
 
 # --- value types: parse a string, or say in one line what is allowed ----------------------------
-class Int:
+class Allowed:
+    """A value type's one-line description of what it accepts: its docstring's first paragraph."""
+
+    def allowed(self):
+        return " ".join((type(self).__doc__ or "").strip().split("\n\n")[0].split()).rstrip(".")
+
+    format = staticmethod(str)  # the value back as a command-line word
+
+
+class Int(Allowed):
     """An integer in [lo, hi]."""
 
     def __init__(self, lo=None, hi=None):
@@ -44,10 +53,8 @@ class Int:
             return f"an integer >= {self.lo}"
         return f"an integer from {self.lo} to {self.hi}"
 
-    format = staticmethod(str)
 
-
-class Float:
+class Float(Allowed):
     """A finite number in a range; `gt` excludes the lower bound (a temperature of 0 divides by 0)."""
 
     def __init__(self, lo=None, hi=None, *, gt=False):
@@ -72,13 +79,6 @@ class Float:
         return f"a number {lo} and <= {self.hi:g}"
 
     format = staticmethod(repr)
-
-
-class Allowed:
-    """A value type's one-line description of what it accepts: its docstring's first paragraph."""
-
-    def allowed(self):
-        return " ".join((type(self).__doc__ or "").strip().split("\n\n")[0].split()).rstrip(".")
 
 
 class Floats(Allowed):
@@ -117,7 +117,7 @@ class Size(Allowed):
         return f"{v[0]}x{v[1]}"
 
 
-class Choice:
+class Choice(Allowed):
     def __init__(self, *values):
         self.values = values
 
@@ -129,8 +129,6 @@ class Choice:
             fail(f"{s!r}: use one of {', '.join(self.values)}")
         return s
 
-    format = staticmethod(str)
-
 
 class ByteSize(Allowed):
     """A size in bytes: 123, 500M, 20G (K, M, G, T: powers of 1024)."""
@@ -141,8 +139,6 @@ class ByteSize(Allowed):
             fail(f"{s!r}: use a size like 500M or 20G")
         return int(float(m.group(1)) * (1 << (10 * " kmgt".index(m.group(2) or " "))))
 
-    format = staticmethod(str)
-
 
 class Name(Allowed):
     """Letters, digits, '-', '_' and '.' (it names a file or a folder)."""
@@ -151,8 +147,6 @@ class Name(Allowed):
         if not re.fullmatch(r"[A-Za-z0-9_.-]{1,100}", str(s)) or s in (".", ".."):
             fail(f"{s!r}: use 1 to 100 letters, digits, '-', '_' and '.'")
         return s
-
-    format = staticmethod(str)
 
 
 class Dir(Allowed):
@@ -164,8 +158,6 @@ class Dir(Allowed):
         if os.path.exists(s) and not os.path.isdir(s):
             fail(f"{s!r} is a file, not a directory: name a directory (it is created when missing)")
         return s
-
-    format = staticmethod(str)
 
 
 class OutFile(Allowed):
@@ -180,10 +172,8 @@ class OutFile(Allowed):
             fail(f"{s!r}: the folder {parent} does not exist: create it first")
         return s
 
-    format = staticmethod(str)
 
-
-class Path:
+class Path(Allowed):
     """A path; `exists` for an input that must be there."""
 
     def __init__(self, exists=False):
@@ -198,8 +188,6 @@ class Path:
         if self.exists and not os.path.exists(s):
             fail(f"{s!r} does not exist")
         return s
-
-    format = staticmethod(str)
 
 
 # --- declarations ----------------------------------------------------------------------------------

@@ -31,8 +31,6 @@ class Codec(Allowed):
             fail(f"{s!r}: use full or topk:K with K an integer >= 1, e.g. topk:5")
         return f"topk:{int(m.group(1))}"
 
-    format = staticmethod(str)
-
 
 class AugmentSpec(Allowed):
     """auto | none | crop:PAD | flip | crop:PAD,flip."""
@@ -49,8 +47,6 @@ class AugmentSpec(Allowed):
         if aug.pad > 64:
             fail(f"{s!r}: crop padding {aug.pad} is more than 64 pixels")
         return v
-
-    format = staticmethod(str)
 
 
 class DatasetSpec(Allowed):
@@ -78,8 +74,6 @@ class DatasetSpec(Allowed):
                      f"or 3 and H, W >= 1, at most 16 GiB of pixels")
         return v
 
-    format = staticmethod(str)
-
 
 class CachePath(Allowed):
     """A cache's path: P, P.h5 or P.parts (not a folder of its own)."""
@@ -98,8 +92,6 @@ class CachePath(Allowed):
                  f"--cache-dir {s}")
         return v
 
-    format = staticmethod(str)
-
 
 class Shard(Allowed):
     """i/n with 0 <= i < n."""
@@ -109,8 +101,6 @@ class Shard(Allowed):
         if not m or int(m.group(2)) < 1 or int(m.group(1)) >= int(m.group(2)):
             fail(f"{s!r}: use i/n with 0 <= i < n, e.g. 0/2")
         return f"{int(m.group(1))}/{int(m.group(2))}"
-
-    format = staticmethod(str)
 
 
 TEACHER, DATA, CACHE, SCHEDULE = "teacher", "data", "cache", "schedule (the same for the producer and the trainer)"

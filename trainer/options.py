@@ -6,7 +6,7 @@ import argparse
 import os
 import re
 
-from kdcache.args import Dir, Float, Int, Name, Option, Parser, add_options, fail
+from kdcache.args import Allowed, Dir, Float, Int, Name, Option, Parser, add_options, fail
 from pipeline.options import SHARED, check_applies, check_views, resolve_teacher
 
 DESCRIPTION = """\
@@ -21,7 +21,7 @@ warm cache makes the teacher cost nothing: a second experiment with another stud
 temperature or alpha reuses it."""
 
 
-class Ctx:
+class Ctx(Allowed):
     """auto | cpu | cpu:0,1 | gpu | gpu:0[,1,...]."""
 
     def __call__(self, s):
@@ -34,8 +34,6 @@ class Ctx:
             if len(set(ids)) != len(ids):
                 fail(f"{s!r}: device ids must be distinct")
         return v
-
-    format = staticmethod(str)
 
 
 def zoo_names():
@@ -57,7 +55,7 @@ def zoo_names():
     return None
 
 
-class Student:
+class Student(Allowed):
     """A built-in student (mlp128, mlp, small_cnn) or a Gluon model-zoo name."""
 
     BUILTIN = ("mlp128", "mlp", "small_cnn", "digits_teacher")
@@ -68,8 +66,6 @@ class Student:
             fail(f"{s!r} is not a known network: use {', '.join(self.BUILTIN[:3])} or a Gluon model-zoo name "
                  f"such as resnet18_v1, mobilenet0.25")
         return s
-
-    format = staticmethod(str)
 
 
 KVSTORES = ("local", "device", "dist_sync", "dist_async", "dist_device_sync")

@@ -90,7 +90,8 @@ def main(argv=None, prog="python -m trainer.launch"):
         # Without oneDNN (MKL-DNN): it keeps convolution weights in a layout of its own that MXNet 1.9's
         # kvstore cannot send ("can't generate TBlob for MKLDNN data"), so a convolutional student failed
         # at its first broadcast. Worker 0's producer inherits this (its teacher runs without oneDNN).
-        workers.append(spawn("worker", cmd, {"OMP_NUM_THREADS": str(threads), "MXNET_MKLDNN_ENABLED": "0"}))
+        workers.append(spawn("worker", cmd, {"OMP_NUM_THREADS": str(threads), "MXNET_MKLDNN_ENABLED": "0",
+                                             "MXNET_STORAGE_FALLBACK_LOG_VERBOSE": "0"}))
     print(f"[launch] scheduler on 127.0.0.1:{port}, {args.servers} server(s), {args.workers} worker(s) "
           f"({args.kvstore}, {threads} thread(s) each)", flush=True)
 

@@ -106,9 +106,11 @@ def open_reader(args, plan, producer, rank, producer_log):
             if producer is None and rank == 0:
                 raise
             failure = producer_failure(producer, producer_log)
-            if failure or time.monotonic() > deadline:
-                raise TrainError(f"the producer did not start: {failure or 'no cache after 120 s'} "
-                                 f"(see {producer_log})") from None
+            if failure:
+                raise TrainError(f"the cache is not there and no producer is running: the producer failed: "
+                                 f"{failure} (see {producer_log})") from None
+            if time.monotonic() > deadline:
+                raise TrainError(f"the producer made no cache within 120 s (see {producer_log})") from None
             time.sleep(0.2)
 
 

@@ -33,13 +33,16 @@ from bench.common import limit_threads  # noqa: E402
 
 limit_threads(os.environ)  # before anything loads MXNet or BLAS: one compute thread here, as in every child
 
-import argparse  # noqa: E402
 import json  # noqa: E402
 import shutil  # noqa: E402
 import time  # noqa: E402
 
-from bench.common import (BenchError, Children, heading, machine, make_log, md_table, python_m,  # noqa: E402
-                          scratch_dir, spread, utc_now, write_report)
+from bench.common import (RUN, BenchError, Children, heading, like, machine, make_log, md_table,  # noqa: E402
+                          out_option, parse_args, python_m, quick_option, scratch_dir, spread, tmp_option,
+                          trainer_option, utc_now, write_report)
+from kdcache.args import Int, Option  # noqa: E402
+from pipeline.options import resolve_teacher  # noqa: E402
+from trainer import make_teacher  # noqa: E402
 
 DEFAULT_OUT = os.path.join("bench", "results", "distill.json")
 
@@ -58,6 +61,30 @@ ROWS = [("teacher", "teacher"), ("scratch", "student from scratch"), ("inline", 
 
 
 log = make_log("distill")
+
+STUDENT, TEACHER = "student (the same budget for every row)", "teacher"
+TEACHER_EPOCHS = next(o for o in make_teacher.TEACHER if o.dest == "epochs")
+OPTIONS = [
+    Option("--seeds", "student seeds 0..N-1 (default 5; --quick 2)", type=Int(1), metavar="N", group=RUN),
+    quick_option("2 seeds, 10 student and 10 teacher epochs (about a minute)"),
+    out_option(DEFAULT_OUT, "JSON report"),
+    like(trainer_option("teacher"), "reuse this teacher checkpoint instead of training one", metavar="PREFIX",
+         group=TEACHER),
+    like(TEACHER_EPOCHS, f"epochs of the teacher trained here (default {FULL['teacher_epochs']}; --quick "
+         f"{QUICK['teacher_epochs']})", flag="--teacher-epochs", group=TEACHER),
+    # the trainer's types: a value the trainer would refuse is refused here, before the teacher is trained
+    *(like(trainer_option(dest), help, group=STUDENT) for dest, help in (
+        ("student", f"student network (default {FULL['student']})"),
+        ("epochs", f"student epochs (default {FULL['epochs']}; --quick {QUICK['epochs']})"),
+        ("lr", f"student Adam learning rate (default {FULL['lr']})"),
+        ("batch_size", f"default {FULL['batch_size']}"),
+        ("temperature", f"KD temperature (default {FULL['temperature']:g})"),
+        ("alpha", f"weight of the soft term (default {FULL['alpha']})"))),
+    like(trainer_option("dtype"), "cache dtype (default float32: cache and inline then see the same logits)",
+         default="float32", group=STUDENT),
+    tmp_option("work directory for the teacher, caches and runs (default: a new temporary directory, removed at "
+               "the end; a directory given here is kept)"),
+]
 
 
 def train_teacher(kids, prefix, epochs, seed=0):
@@ -122,33 +149,17 @@ def seed_table(per_seed, n_test):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m bench.distill_table", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--seeds", type=int, help="student seeds 0..N-1 (default 5; --quick 2)")
-    ap.add_argument("--quick", action="store_true", help="2 seeds, 10 student and 10 teacher epochs (about a minute)")
-    ap.add_argument("--out", default=DEFAULT_OUT, help=f"JSON report (default {DEFAULT_OUT})")
-    ap.add_argument("--teacher", metavar="PREFIX", help="reuse this teacher checkpoint instead of training one")
-    ap.add_argument("--student", help=f"student network (default {FULL['student']})")
-    ap.add_argument("--epochs", type=int, help=f"student epochs (default {FULL['epochs']}; --quick {QUICK['epochs']})")
-    ap.add_argument("--lr", type=float, help=f"student Adam learning rate (default {FULL['lr']})")
-    ap.add_argument("--batch-size", type=int, help=f"default {FULL['batch_size']}")
-    ap.add_argument("--temperature", "-T", type=float, help=f"KD temperature (default {FULL['temperature']:g})")
-    ap.add_argument("--alpha", type=float, help=f"weight of the soft term (default {FULL['alpha']})")
-    ap.add_argument("--teacher-epochs", type=int,
-                    help=f"epochs of the teacher trained here (default {FULL['teacher_epochs']}; "
-                         f"--quick {QUICK['teacher_epochs']})")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "float16"],
-                    help="cache dtype (default float32: cache and inline then see the same logits)")
-    ap.add_argument("--tmp", help="work directory for the teacher, caches and runs (default: a new temporary "
-                                  "directory, removed at the end; a directory given here is kept)")
-    args = ap.parse_args(argv)
-
+    ap, args = parse_args("python -m bench.distill_table", __doc__.split("\n\n")[0], OPTIONS, argv,
+                          default_out=DEFAULT_OUT)
+    if args.teacher is not None:
+        if args.teacher_epochs is not None:
+            ap.error("argument --teacher-epochs: it sizes the teacher trained here, and --teacher reuses one; drop "
+                     "--teacher-epochs (or --teacher)")
+        resolve_teacher(args, ap)  # its checkpoint files are there and readable
     p = dict(QUICK if args.quick else FULL)
     for k in ("seeds", "student", "epochs", "lr", "batch_size", "temperature", "alpha", "teacher_epochs"):
         if getattr(args, k) is not None:
             p[k] = getattr(args, k)
-    if p["seeds"] < 1:
-        print("error: --seeds must be at least 1", file=sys.stderr)
-        return 2
     t_start = time.perf_counter()
     work = scratch_dir(args.tmp, "kdcache-distill-")
     kids = Children()

@@ -46,15 +46,16 @@ import sys
 if __package__ in (None, ""):  # run as a file: import the repo's packages, not this directory's
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-import argparse  # noqa: E402
 import json  # noqa: E402
 import shutil  # noqa: E402
 import time  # noqa: E402
 
-from bench.common import (ROOT, Children, busy_warning, child_env, floors_line, heading, machine,  # noqa: E402
-                          machine_line, md_table, python_m, scratch_dir, spread, utc_now, verdict, write_report)
+from bench.common import (OUTPUT, ROOT, RUN, Children, busy_warning, child_env, floors_line, heading,  # noqa: E402
+                          machine, machine_line, md_table, out_option, parse_args, python_m, quick_option,
+                          scratch_dir, spread, tmp_option, utc_now, verdict, write_report)
 from bench.kd_scenarios import (BATCH, ORDER, REQUIRED, RSS, SEED, STUDENT, TARGETS, THREADS, log,  # noqa: E402
                                 plot_online, result_rows, rounded, run_pair)
+from kdcache.args import Option, OutFile  # noqa: E402
 
 DEFAULT_OUT = os.path.join("bench", "results", "kd.json")
 PNG_NAME = "kd_online.png"
@@ -62,6 +63,15 @@ PNG_NAME = "kd_online.png"
 # Sizes: full run (~9 min on 2 idle cores) and --quick (~1.5-2 min: 14 MXNet processes' start-up).
 FULL = dict(epoch_s=10.0, min_steps=30, max_steps=400, epochs=2, reps=7, tries=4)
 QUICK = dict(epoch_s=1.5, min_steps=6, max_steps=40, epochs=1, reps=3, tries=1)
+
+OPTIONS = [
+    quick_option("a data set of a few seconds per epoch (figures noisier)"),
+    out_option(DEFAULT_OUT),
+    Option("--png", f"plot path (default: {PNG_NAME} beside --out)", type=OutFile(), metavar="FILE", group=OUTPUT),
+    tmp_option("directory for teachers, caches and runs (default: the system temp dir); everything written there "
+               "is removed"),
+    Option("--keep", "keep the temporary directory (runs, logs) for inspection", action="store_true", group=RUN),
+]
 
 FLOORS = {"warm_vs_student_only": 0.97,           # warm samples/s >= 0.97 x student_only samples/s
           "epoch1_vs_slowest_stage": 1.10,        # online/ring epoch 1 <= 1.10 x max(teacher alone, student alone)
@@ -138,18 +148,11 @@ def floors_table(fl):
 
 # -- main --------------------------------------------------------------------------------------------------
 def main(argv=None):
-    ap = argparse.ArgumentParser(
-        prog="python -m bench.kd",
-        description="kdcache end to end: student alone, inline KD, inline on the async engine, and the cache "
-                    "(online, warm, ring) with a light and a heavy teacher, one core each. Prints markdown tables, "
-                    "writes a JSON report and a plot of the heavy pair's online run.")
-    ap.add_argument("--quick", action="store_true", help="a data set of a few seconds per epoch (figures noisier)")
-    ap.add_argument("--out", default=DEFAULT_OUT, help=f"JSON report path (default {DEFAULT_OUT})")
-    ap.add_argument("--png", default=None, help=f"plot path (default: {PNG_NAME} beside --out)")
-    ap.add_argument("--tmp", default=None, help="directory for teachers, caches and runs (default: the system temp "
-                                                "dir); everything written there is removed")
-    ap.add_argument("--keep", action="store_true", help="keep the temporary directory (runs, logs) for inspection")
-    args = ap.parse_args(argv)
+    _, args = parse_args(
+        "python -m bench.kd",
+        "kdcache end to end: student alone, inline KD, inline on the async engine, and the cache (online, warm, ring) "
+        "with a light and a heavy teacher, one core each. Prints markdown tables, writes a JSON report and a plot of "
+        "the heavy pair's online run.", OPTIONS, argv, default_out=DEFAULT_OUT)
 
     p = QUICK if args.quick else FULL
     png = args.png or os.path.join(os.path.dirname(os.path.abspath(args.out)), PNG_NAME)

@@ -16,7 +16,10 @@ import time
 
 import numpy as np
 
+from bench.common import RUN, check_child, like, parse_args, trainer_option
 from bench.kd_scenarios import BATCH, CLASSES, SEED, SHAPE, STUDENT, TARGETS
+from kdcache.args import Allowed, Choice, Dir, Float, Int, Option, fail
+from pipeline.options import resolve_teacher
 
 FIRST_SHAPE = {"light": (16, 0), "heavy": (40, 1)}  # the calibration's first guesses (width, extra convs)
 
@@ -279,24 +282,55 @@ def child_async(a):
                       "engine_workers": os.environ.get("MXNET_CPU_WORKER_NTHREADS", "1 (default)")}))
 
 
+class Sizes(Allowed):
+    """JSON of reps, tries, epoch_s, min_steps, max_steps: counts >= 1, epoch_s > 0, min_steps <= max_steps."""
+
+    KEYS = {"reps": Int(1), "tries": Int(1), "epoch_s": Float(0, None, gt=True), "min_steps": Int(1),
+            "max_steps": Int(1)}
+
+    def __call__(self, s):
+        try:
+            v = json.loads(s)
+        except ValueError:
+            v = None
+        if not isinstance(v, dict) or set(v) != set(self.KEYS):
+            fail(f"{s!r}: use {self.allowed()}")
+        out = {}
+        for k, kind in self.KEYS.items():
+            try:
+                out[k] = kind(v[k])
+            except argparse.ArgumentTypeError as e:
+                fail(f"{k}: {e}")
+        if out["min_steps"] > out["max_steps"]:
+            fail(f"min_steps {out['min_steps']} is more than max_steps {out['max_steps']}")
+        return out
+
+
+NEEDS = {"prepare": ("root", "sizes"), "async": ("teacher", "dataset")}  # what each child reads
+OPTIONS = [
+    Option("--root", "prepare: the benchmark's temporary directory", type=Dir(), metavar="DIR", group=RUN),
+    Option("--sizes", "prepare: JSON of reps, tries, epoch_s, min_steps, max_steps", type=Sizes(), metavar="JSON",
+           group=RUN),
+    Option("--teacher", "async: the teacher's checkpoint prefix", metavar="PREFIX", group=RUN),
+    like(trainer_option("dataset"), "async: the data set (a --dataset value of the trainer)", group=RUN),
+    like(trainer_option("student"), "async: the student network", group=RUN, default=STUDENT),
+    like(trainer_option("epochs"), "async: epochs", group=RUN, default=1),
+    like(trainer_option("batch_size"), "async: batch size", group=RUN, default=BATCH),
+    like(trainer_option("ctx"), "async: cpu or gpu:0", group=RUN, default="cpu"),
+]
+
+
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m bench.kd_children", description=__doc__.split("\n\n")[0])
-    ap.add_argument("child", choices=["prepare", "async"])
-    ap.add_argument("--root", help="prepare: the benchmark's temporary directory")
-    ap.add_argument("--sizes", help="prepare: JSON of reps, tries, epoch_s, min_steps, max_steps")
-    ap.add_argument("--teacher", help="async: the teacher's checkpoint prefix")
-    ap.add_argument("--dataset", help="async: the data set (a --dataset value of the trainer)")
-    ap.add_argument("--student", default=STUDENT)
-    ap.add_argument("--epochs", type=int, default=1)
-    ap.add_argument("--batch-size", type=int, default=BATCH)
-    ap.add_argument("--ctx", default="cpu")
-    args = ap.parse_args(argv)
+    p, args = parse_args("python -m bench.kd_children", __doc__.split("\n\n")[0], OPTIONS, argv,
+                         positionals=[("child", Choice(*NEEDS), "prepare | async")])
+    check_child(p, args, NEEDS)
+    if args.teacher is not None:
+        resolve_teacher(args, p)  # its checkpoint files are there and readable
     if args.child == "prepare":
-        child_prepare(args.root, **json.loads(args.sizes))
+        child_prepare(args.root, **args.sizes)
     else:
         child_async(args)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -34,12 +34,12 @@ import sys
 if __package__ in (None, ""):  # run as a file: import the repo's packages, not this directory's
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-import argparse  # noqa: E402
 import shutil  # noqa: E402
 import time  # noqa: E402
 
 from bench.common import (Children, busy_warning, floors_line, heading, machine, machine_line, md_table,  # noqa: E402
-                          python_m, scratch_dir, section, spread, utc_now, verdict, write_report)
+                          out_option, parse_args, python_m, quick_option, scratch_dir, section, spread, tmp_option,
+                          utc_now, verdict, write_report)
 from bench.producer_children import CLASSES, SHAPE, TEACHER_WIDTHS  # noqa: E402
 from bench.producer_sections import FLOORS, THREADS, bench_overhead, bench_shards, log, write_npz  # noqa: E402
 
@@ -51,18 +51,21 @@ DEFAULT_OUT = os.path.join("bench", "results", "producer.json")
 FULL = dict(n=8000, shard_n=160000, batch=128, overhead_repeats=3, shard_repeats=3)
 QUICK = dict(n=3000, shard_n=3000, batch=128, overhead_repeats=3, shard_repeats=1)
 
+OPTIONS = [
+    quick_option("smaller data set, fewer repeats (figures are noisier)"),
+    out_option(DEFAULT_OUT),
+    tmp_option("directory for the temporary teacher and caches (default: the system temp dir); everything written "
+               "there is removed"),
+]
+
 
 # -- main -----------------------------------------------------------------------------------------
 def main(argv=None):
-    ap = argparse.ArgumentParser(
-        prog="python -m bench.producer",
-        description="kdcache producer benchmarks: the cache builder vs the bare teacher forward (1 thread), "
-                    "two shards on two cores vs one producer. Prints markdown tables and writes a JSON report.")
-    ap.add_argument("--quick", action="store_true", help="smaller data set, fewer repeats (figures are noisier)")
-    ap.add_argument("--out", default=DEFAULT_OUT, help=f"JSON report path (default {DEFAULT_OUT})")
-    ap.add_argument("--tmp", default=None, help="directory for the temporary teacher and caches (default: the "
-                                                "system temp dir); everything written there is removed")
-    args = ap.parse_args(argv)
+    _, args = parse_args(
+        "python -m bench.producer",
+        "kdcache producer benchmarks: the cache builder vs the bare teacher forward (1 thread), two shards on two "
+        "cores vs one producer. Prints markdown tables and writes a JSON report.", OPTIONS, argv,
+        default_out=DEFAULT_OUT)
 
     p = QUICK if args.quick else FULL
     dataset_arg = f"synthetic:n={p['n']},classes={CLASSES},shape={SHAPE}"

@@ -5,13 +5,16 @@
 
 bench.producer starts both with one compute thread (bench.common.child_env); each prints one JSON line.
 """
-import argparse
 import json
 import statistics
 import sys
 import time
 
 import numpy as np
+
+from bench.common import RUN, check, check_child, like, parse_args, trainer_option
+from kdcache.args import Choice, Option, OutFile
+from pipeline.options import resolve_teacher
 
 CLASSES = 10
 SHAPE = "3x32x32"
@@ -72,19 +75,25 @@ def child_bare(prefix, dataset_arg, batch):
                       "full_batches": len(full)}))
 
 
+NEEDS = {"export": ("teacher",), "bare": ("teacher", "dataset", "batch_size")}  # what each child reads
+OPTIONS = [
+    Option("--teacher", "the teacher's checkpoint prefix (export: where to write it)", metavar="PREFIX", group=RUN),
+    like(trainer_option("dataset"), "bare: the data set (a --dataset value of the cache builder)", group=RUN),
+    like(trainer_option("batch_size"), "bare: rows per forward", group=RUN),
+]
+
+
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m bench.producer_children", description=__doc__.split("\n\n")[0])
-    ap.add_argument("child", choices=["export", "bare"])
-    ap.add_argument("--teacher", required=True, help="the teacher's checkpoint prefix (export: where to write it)")
-    ap.add_argument("--dataset", help="bare: the data set (a --dataset value of the cache builder)")
-    ap.add_argument("--batch-size", type=int, help="bare: rows per forward")
-    args = ap.parse_args(argv)
+    p, args = parse_args("python -m bench.producer_children", __doc__.split("\n\n")[0], OPTIONS, argv,
+                         positionals=[("child", Choice(*NEEDS), "export | bare")])
+    check_child(p, args, NEEDS)
     if args.child == "export":
+        check(p, "--teacher", OutFile(), args.teacher)  # PREFIX-symbol.json, ... are written in its folder
         child_export(args.teacher)
     else:
+        resolve_teacher(args, p)  # its checkpoint files are there and readable
         child_bare(args.teacher, args.dataset, args.batch_size)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

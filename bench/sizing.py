@@ -21,11 +21,11 @@ from bench.common import limit_threads  # noqa: E402
 
 limit_threads(os.environ)  # one core, before MXNet loads: the unit the extrapolation multiplies
 
-import argparse  # noqa: E402
 import time  # noqa: E402
 
-from bench.common import (heading, machine, machine_line, make_log, md_table, section, utc_now,  # noqa: E402
-                          write_report)
+from bench.common import (heading, machine, machine_line, make_log, md_table, out_option,  # noqa: E402
+                          parse_args, quick_option, section, utc_now, write_report)
+from kdcache.args import Float, Int, Option  # noqa: E402
 from store.codec import make_codec  # noqa: E402
 
 DEFAULT_OUT = os.path.join("bench", "results", "sizing.json")
@@ -34,6 +34,15 @@ IMAGENET_CLASSES = 1000
 TEACHERS = ("resnet50_v1", "resnet18_v1", "mobilenet1.0")
 CODECS = (("full", "float32"), ("full", "float16"), ("topk:10", "float16"), ("topk:5", "float16"))
 
+
+OPTIONS = [
+    quick_option("one timed batch per teacher (noisier)"),
+    Option("--student-rate", "images/s the student trains at, to keep fed (default 3000: a mid-size GPU student)",
+           type=Float(0, None, gt=True), default=3000.0, metavar="R", group="extrapolation"),
+    Option("--cores", "producer cores for the cold-epoch time", type=Int(1), default=64, metavar="N",
+           group="extrapolation"),
+    out_option(DEFAULT_OUT),
+]
 
 log = make_log("bench.sizing")
 
@@ -59,16 +68,7 @@ def teacher_rate(name, batch, seconds, min_batches):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m bench.sizing", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="one timed batch per teacher (noisier)")
-    ap.add_argument("--student-rate", type=float, default=3000.0,
-                    help="images/s the student trains at, to keep fed (default 3000: a mid-size GPU student)")
-    ap.add_argument("--cores", type=int, default=64, help="producer cores for the cold-epoch time (default 64)")
-    ap.add_argument("--out", default=DEFAULT_OUT, help=f"JSON report path (default {DEFAULT_OUT})")
-    args = ap.parse_args(argv)
-    if args.student_rate <= 0 or args.cores < 1:
-        print("error: --student-rate must be positive and --cores at least 1", file=sys.stderr)
-        return 2
+    _, args = parse_args("python -m bench.sizing", __doc__.split("\n\n")[0], OPTIONS, argv, default_out=DEFAULT_OUT)
     t_start = time.perf_counter()
     batch = 16
     seconds, min_batches = (0.0, 1) if args.quick else (8.0, 3)

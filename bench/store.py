@@ -27,15 +27,15 @@ from bench.common import limit_threads  # noqa: E402
 # Before numpy loads: one BLAS/OpenMP thread, so the figures do not depend on the core count.
 limit_threads(os.environ, force=False)
 
-import argparse  # noqa: E402
 import shutil  # noqa: E402
 import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 
 from bench import store_gather as gather, store_write as write  # noqa: E402
-from bench.common import (floors_line, heading, machine, machine_line, make_log, scratch_dir, section,  # noqa: E402
-                          utc_now, verdict, write_report)
+from bench.common import (RUN, floors_line, heading, machine, machine_line, make_log, out_option,  # noqa: E402
+                          parse_args, quick_option, scratch_dir, section, tmp_option, utc_now, verdict, write_report)
+from kdcache.args import Int, Option  # noqa: E402
 
 DEFAULT_OUT = os.path.join("bench", "results", "store.json")
 
@@ -51,22 +51,23 @@ QUICK = dict(gather_n=50_000, gather_batches=1000, gather_repeats=3,
 
 FLOORS = {**gather.FLOORS, **write.FLOORS}
 
+OPTIONS = [
+    quick_option("smaller sizes, under a minute (figures are noisier)"),
+    out_option(DEFAULT_OUT),
+    tmp_option("directory for the temporary caches and files (default: the system temp dir); everything written "
+               "there is removed at the end"),
+    Option("--seed", "seed of the synthetic logits and batches", type=Int(0), default=0, metavar="S", group=RUN),
+]
+
 log = make_log("bench.store")
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(
-        prog="python -m bench.store",
-        description="kdcache store benchmarks: gather vs numpy and vs one file per sample, shuffled vs "
-                    "ordered writes, bytes per row, out-of-core gather. Prints markdown tables and "
-                    "writes a JSON report.")
-    ap.add_argument("--quick", action="store_true", help="smaller sizes, under a minute (figures are noisier)")
-    ap.add_argument("--out", default=DEFAULT_OUT, help=f"JSON report path (default {DEFAULT_OUT})")
-    ap.add_argument("--tmp", default=None,
-                    help="directory for the temporary caches and files (default: the system temp dir); "
-                         "everything written there is removed at the end")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the synthetic logits and batches (default 0)")
-    args = ap.parse_args(argv)
+    _, args = parse_args(
+        "python -m bench.store",
+        "kdcache store benchmarks: gather vs numpy and vs one file per sample, shuffled vs ordered writes, bytes per "
+        "row, out-of-core gather. Prints markdown tables and writes a JSON report.", OPTIONS, argv,
+        default_out=DEFAULT_OUT)
 
     p = QUICK if args.quick else FULL
     rng = np.random.default_rng(args.seed)

@@ -4,6 +4,7 @@ import os
 import pytest
 
 from tests.helpers import positive, run_bench
+from tests.test_bench_sizing import REPORT_MISTAKES, assert_refused
 
 PAIRS = ("light", "heavy")
 SCENARIOS = ("student_only", "inline", "inline_async", "online", "warm", "ring")
@@ -11,6 +12,7 @@ SCENARIOS = ("student_only", "inline", "inline_async", "online", "warm", "ring")
 
 @pytest.mark.slow
 def test_bench_kd_quick_writes_report_and_plot(tmp_path):
+    (tmp_path / "results").mkdir()  # run_bench's --out: a file in a folder that exists
     proc, report = run_bench("kd", tmp_path, timeout=580)
     rows = {(r["pair"], r["scenario"]): r for r in report["results"]}
     for pair in PAIRS:
@@ -51,3 +53,22 @@ def test_bench_kd_quick_writes_report_and_plot(tmp_path):
     # One table per pair plus calibration and floors on stdout; every temporary file removed.
     assert "## light teacher" in proc.stdout and "## heavy teacher" in proc.stdout and "## Floors" in proc.stdout
     assert os.listdir(tmp_path / "scratch") == []
+
+
+SIZES = '{"reps":3,"tries":1,"epoch_s":1.5,"min_steps":6,"max_steps":40}'  # bench.kd --quick's
+
+
+@pytest.mark.parametrize("module, flag, argv", [
+    *(("kd", flag, argv) for flag, argv in REPORT_MISTAKES),
+    ("kd", "--png", "--quick --png {tmp}/dir --tmp {tmp}/scratch"),
+    ("kd", "--png", "--quick --png {tmp}/missing/p.png --tmp {tmp}/scratch"),
+    # the MXNet child: each option checked as the trainer's are, and the options each child needs
+    ("kd_children", "--root", "prepare --sizes " + SIZES), ("kd_children", "--root", "prepare --root {tmp}/file"),
+    ("kd_children", "--sizes", "prepare --root {tmp}/dir --sizes " + SIZES.replace('"reps":3', '"reps":0')),
+    ("kd_children", "--sizes", "prepare --root {tmp}/dir --sizes " + SIZES.replace("1.5", "NaN")),
+    ("kd_children", "--teacher", "async --teacher {tmp}/none --dataset digits"),
+    ("kd_children", "--epochs", "async --teacher {tmp}/none --dataset digits --epochs 0"),
+    ("kd_children", "--ctx", "async --teacher {tmp}/none --dataset digits --ctx tpu"),
+    ("kd_children", "--root", "async --root {tmp}/dir --teacher {tmp}/none --dataset digits")])
+def test_bench_kd_bad_options(tmp_path, module, flag, argv):
+    assert_refused(tmp_path, module, flag, argv)

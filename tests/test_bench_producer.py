@@ -4,6 +4,7 @@ import os
 import pytest
 
 from tests.helpers import positive, run_bench
+from tests.test_bench_sizing import REPORT_MISTAKES, assert_refused
 
 RATIOS = ("producer_vs_bare_forward", "two_shards_vs_one", "two_shards_vs_one_aggregate")
 RATES = ("bare_forward", "producer", "one_producer_wall", "two_shards_wall", "one_producer_reported",
@@ -12,6 +13,7 @@ RATES = ("bare_forward", "producer", "one_producer_wall", "two_shards_wall", "on
 
 @pytest.mark.slow
 def test_bench_producer_quick_writes_report(tmp_path):
+    (tmp_path / "results").mkdir()  # run_bench's --out: a file in a folder that exists
     proc, report = run_bench("producer", tmp_path, timeout=400)
     for key in RATIOS:
         assert positive(report[key]), (key, report[key])
@@ -33,3 +35,15 @@ def test_bench_producer_quick_writes_report(tmp_path):
     # One markdown table per section on stdout, and every temporary file removed.
     assert proc.stdout.count("\n## ") == 3 and "| verdict" in proc.stdout
     assert os.listdir(tmp_path / "scratch") == []
+
+
+@pytest.mark.parametrize("module, flag, argv", [
+    *(("producer", flag, argv) for flag, argv in REPORT_MISTAKES),
+    # the MXNet child: each option checked as bench.producer's are, and the options each child needs
+    ("producer_children", "--teacher", "export"), ("producer_children", "--teacher", "export --teacher {tmp}/dir"),
+    ("producer_children", "--dataset", "export --teacher {tmp}/t --dataset digits"),
+    ("producer_children", "--teacher", "bare --teacher {tmp}/none --dataset digits --batch-size 8"),
+    ("producer_children", "--batch-size", "bare --teacher {tmp}/none --dataset digits --batch-size 0"),
+    ("producer_children", "--dataset", "bare --teacher {tmp}/none --dataset nosuch --batch-size 8")])
+def test_bench_producer_bad_options(tmp_path, module, flag, argv):
+    assert_refused(tmp_path, module, flag, argv)

@@ -3,11 +3,35 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, PYTHONPATH=ROOT)
+DOOR_S = 5.0  # a refused command's whole run; a --quick sizing measures for ~9 s before it writes
+# (flag, argv) every benchmark with a report and a scratch folder refuses: --tmp names one that must stay unmade
+REPORT_MISTAKES = [("--out", "--out {tmp}/dir --tmp {tmp}/scratch"),
+                   ("--out", "--quick --out {tmp}/missing/x.json --tmp {tmp}/scratch"),
+                   ("--tmp", "--quick --tmp {tmp}/file")]
+
+
+def assert_refused(tmp_path, module, flag, argv):
+    """python -m bench.<module> argv (words; {tmp}: tmp_path, which holds a folder `dir` and a file `file`) is
+    refused at the door: exit 2, one stderr line naming `flag`, no traceback, within DOOR_S, and nothing
+    written (no report, no DIR.tmp, no scratch folder)."""
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "file").write_text("x")
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", f"bench.{module}", *argv.replace("{tmp}", str(tmp_path)).split()],
+                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    took = time.perf_counter() - t0
+    lines = r.stderr.splitlines()
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith(f"error: argument {flag}"), r.stderr[-3000:]
+    assert "Traceback" not in r.stderr and r.stdout == ""
+    assert took < DOOR_S, f"refused after {took:.1f} s: something ran before the options were checked"
+    assert sorted(os.listdir(tmp_path)) == ["dir", "file"] and not os.listdir(tmp_path / "dir")
 
 
 @pytest.mark.slow
@@ -32,7 +56,10 @@ def test_bench_sizing_quick_writes_report(tmp_path):
     assert r.stdout.count("\n## ") == 2 and "| teacher" in r.stdout
 
 
-def test_bench_sizing_bad_options():
-    r = subprocess.run([sys.executable, "-m", "bench.sizing", "--cores", "0"], cwd=ROOT, env=ENV,
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "--cores" in r.stderr and "Traceback" not in r.stderr
+@pytest.mark.parametrize("flag, argv", [
+    ("--student-rate", "--student-rate nan"), ("--student-rate", "--student-rate inf"),
+    ("--student-rate", "--student-rate 0"), ("--student-rate", "--student-rate x"), ("--cores", "--cores 0"),
+    ("--cores", "--cores 1.5"), ("--out", "--out {tmp}/dir"), ("--out", "--out {tmp}/file/s.json"),
+    ("--out", "--quick --out {tmp}/missing/x.json")])
+def test_bench_sizing_bad_options(tmp_path, flag, argv):
+    assert_refused(tmp_path, "sizing", flag, argv)

@@ -5,6 +5,7 @@ import os
 import pytest
 
 from tests.helpers import run_bench
+from tests.test_bench_sizing import REPORT_MISTAKES, assert_refused
 
 RATIOS = ("gather_vs_numpy", "gather_vs_per_sample_files", "shuffled_vs_ordered_write_c10",
           "shuffled_vs_ordered_write_c1000")
@@ -12,6 +13,7 @@ RATIOS = ("gather_vs_numpy", "gather_vs_per_sample_files", "shuffled_vs_ordered_
 
 @pytest.mark.slow
 def test_bench_store_quick_writes_report(tmp_path):
+    (tmp_path / "results").mkdir()  # run_bench's --out: a file in a folder that exists
     proc, report = run_bench("store", tmp_path, timeout=300)
     for key in RATIOS:
         v = report[key]
@@ -32,3 +34,8 @@ def test_bench_store_quick_writes_report(tmp_path):
     # One markdown table per section on stdout, and every temporary file removed.
     assert proc.stdout.count("\n## ") == 6 and "PASS" in proc.stdout
     assert os.listdir(tmp_path / "scratch") == []
+
+
+@pytest.mark.parametrize("flag, argv", [("--seed", "--seed -1"), ("--seed", "--seed x"), *REPORT_MISTAKES])
+def test_bench_store_bad_options(tmp_path, flag, argv):
+    assert_refused(tmp_path, "store", flag, argv)

@@ -6,12 +6,15 @@ import sys
 
 import pytest
 
+from tests.test_bench_sizing import REPORT_MISTAKES, assert_refused
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.slow
 def test_distill_table_quick_writes_report(tmp_path):
     out = tmp_path / "results" / "distill.json"
+    out.parent.mkdir()  # --out: a file in a folder that exists
     env = dict(os.environ, PYTHONPATH=ROOT)
     proc = subprocess.run([sys.executable, "-m", "bench.distill_table", "--quick", "--out", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -45,3 +48,13 @@ def test_distill_table_quick_writes_report(tmp_path):
     for label in ("| teacher |", "| student from scratch |", "| student distilled (inline) |",
                   "| student distilled (cache) |"):
         assert label in proc.stdout
+
+
+@pytest.mark.parametrize("flag, argv", [
+    ("--seeds", "--seeds 0"), ("--lr", "--lr nan"), ("--lr", "--lr 0"), ("--temperature", "-T 0"),
+    ("--alpha", "--alpha 1.5"), ("--student", "--student nosuch"), ("--epochs", "--quick --epochs 0"),
+    ("--batch-size", "--batch-size 0"), ("--teacher-epochs", "--teacher-epochs 0"), ("--dtype", "--dtype float64"),
+    ("--teacher", "--teacher {tmp}/none --tmp {tmp}/scratch"),
+    ("--teacher-epochs", "--teacher teachers/digits --teacher-epochs 3 --tmp {tmp}/scratch"), *REPORT_MISTAKES])
+def test_distill_table_bad_options(tmp_path, flag, argv):
+    assert_refused(tmp_path, "distill_table", flag, argv)

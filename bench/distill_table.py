@@ -37,9 +37,9 @@ import json  # noqa: E402
 import shutil  # noqa: E402
 import time  # noqa: E402
 
-from bench.common import (RUN, BenchError, Children, heading, like, machine, make_log, md_table,  # noqa: E402
-                          out_option, parse_args, python_m, quick_option, scratch_dir, spread, tmp_option,
-                          trainer_option, utc_now, write_report)
+from bench.common import (BenchError, Children, heading, machine, make_log, md_table, python_m,  # noqa: E402
+    scratch_dir, spread, utc_now, write_report)
+from bench.cli import RUN, like, out_option, parse_args, quick_option, tmp_option, trainer_option  # noqa: E402
 from kdcache.args import Int, Option  # noqa: E402
 from pipeline.options import resolve_teacher  # noqa: E402
 from trainer import make_teacher  # noqa: E402

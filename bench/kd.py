@@ -50,9 +50,9 @@ import json  # noqa: E402
 import shutil  # noqa: E402
 import time  # noqa: E402
 
-from bench.common import (OUTPUT, ROOT, RUN, Children, busy_warning, child_env, floors_line, heading,  # noqa: E402
-                          machine, machine_line, md_table, out_option, parse_args, python_m, quick_option,
-                          scratch_dir, spread, tmp_option, utc_now, verdict, write_report)
+from bench.common import (ROOT, Children, busy_warning, child_env, floors_line, heading, machine,  # noqa: E402
+    machine_line, md_table, python_m, scratch_dir, spread, utc_now, verdict, write_report)
+from bench.cli import OUTPUT, RUN, out_option, parse_args, quick_option, tmp_option  # noqa: E402
 from bench.kd_scenarios import (BATCH, ORDER, REQUIRED, RSS, SEED, STUDENT, TARGETS, THREADS, log,  # noqa: E402
                                 plot_online, result_rows, rounded, run_pair)
 from kdcache.args import Option, OutFile  # noqa: E402

@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from bench.common import RUN, check_child, like, parse_args, trainer_option
+from bench.cli import RUN, check_child, like, parse_args, trainer_option
 from bench.kd_scenarios import BATCH, CLASSES, SEED, SHAPE, STUDENT, TARGETS
 from kdcache.args import Allowed, Choice, Dir, Float, Int, Option, fail
 from pipeline.options import resolve_teacher

@@ -37,9 +37,9 @@ if __package__ in (None, ""):  # run as a file: import the repo's packages, not 
 import shutil  # noqa: E402
 import time  # noqa: E402
 
-from bench.common import (Children, busy_warning, floors_line, heading, machine, machine_line, md_table,  # noqa: E402
-                          out_option, parse_args, python_m, quick_option, scratch_dir, section, spread, tmp_option,
-                          utc_now, verdict, write_report)
+from bench.common import (Children, busy_warning, floors_line, heading, machine, machine_line,  # noqa: E402
+    md_table, python_m, scratch_dir, section, spread, utc_now, verdict, write_report)
+from bench.cli import out_option, parse_args, quick_option, tmp_option  # noqa: E402
 from bench.producer_children import CLASSES, SHAPE, TEACHER_WIDTHS  # noqa: E402
 from bench.producer_sections import FLOORS, THREADS, bench_overhead, bench_shards, log, write_npz  # noqa: E402
 

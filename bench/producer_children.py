@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from bench.common import RUN, check, check_child, like, parse_args, trainer_option
+from bench.cli import RUN, check, check_child, like, parse_args, trainer_option
 from kdcache.args import Choice, Option, OutFile
 from pipeline.options import resolve_teacher
 

@@ -23,8 +23,9 @@ limit_threads(os.environ)  # one core, before MXNet loads: the unit the extrapol
 
 import time  # noqa: E402
 
-from bench.common import (heading, machine, machine_line, make_log, md_table, out_option,  # noqa: E402
-                          parse_args, quick_option, section, utc_now, write_report)
+from bench.common import (heading, machine, machine_line, make_log, md_table, section, utc_now,  # noqa: E402
+    write_report)
+from bench.cli import out_option, parse_args, quick_option  # noqa: E402
 from kdcache.args import Float, Int, Option  # noqa: E402
 from store.codec import make_codec  # noqa: E402
 

@@ -33,8 +33,9 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench import store_gather as gather, store_write as write  # noqa: E402
-from bench.common import (RUN, floors_line, heading, machine, machine_line, make_log, out_option,  # noqa: E402
-                          parse_args, quick_option, scratch_dir, section, tmp_option, utc_now, verdict, write_report)
+from bench.common import (floors_line, heading, machine, machine_line, make_log, scratch_dir, section,  # noqa: E402
+    utc_now, verdict, write_report)
+from bench.cli import RUN, out_option, parse_args, quick_option, tmp_option  # noqa: E402
 from kdcache.args import Int, Option  # noqa: E402
 
 DEFAULT_OUT = os.path.join("bench", "results", "store.json")

@@ -168,6 +168,8 @@ class OutFile(Allowed):
         if not s.strip() or s.endswith(os.sep) or os.path.isdir(s):
             fail(f"{s!r} names a folder, not a file: name a file in it")
         parent = os.path.dirname(os.path.abspath(s))
+        if os.path.exists(parent) and not os.path.isdir(parent):
+            fail(f"{s!r}: {parent} is a file, not a folder: name a file in a folder")
         if not os.path.isdir(parent):
             fail(f"{s!r}: the folder {parent} does not exist: create it first")
         return s

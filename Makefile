@@ -49,7 +49,7 @@ export PYTHONDONTWRITEBYTECODE := 1
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s "$$(printf '\t')"
 
-setup: $(STAMP)  ## create .venv and install the pinned dependencies (quick when done)
+setup: $(STAMP)  ## create .venv and install kdcache into it (editable) with its pinned dependencies (quick when done)
 
 # The project is installed into .venv (editable): the `kdcache` command and the packages work from
 # any directory, with no PYTHONPATH. Dependencies are pinned in pyproject.toml.

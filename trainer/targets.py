@@ -55,6 +55,7 @@ def producer_result(path):
 
 
 def start_producer(cmd, log_path):
+    # Installed, the packages are found anyway; from a checkout that is not installed, through this.
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     fh = open(log_path, "ab")
     log.info("starting producer: %s (log: %s)", " ".join(cmd[1:]), log_path)

@@ -126,3 +126,12 @@ def test_a_producer_started_by_hand_writes_the_order_a_trainer_reads(tmp_path):
     read = train("--epochs", "2")
     assert read["0"] == produced["0"] and read["1"] != read["0"]
     assert train("--epochs", "1", "--seed", "1")["0"] != produced["0"]
+
+
+def test_the_readme_options_table_is_the_declaration():
+    from kdcache.args import option_table
+    from pipeline.options import SHARED
+    text = open(os.path.join(ROOT, "README.md")).read()
+    for flag, default, allowed, make in option_table(SHARED):
+        row = f"| `{flag}` | {default} | {allowed.replace('|', chr(92) + '|')} | {make or '-'} |"
+        assert row in text, row

@@ -12,6 +12,7 @@ import numpy as np
 from tqdm import tqdm
 
 from pipeline.augment import make_views
+from pipeline.interrupts import Interrupts
 from pipeline.schedule import schedule, steps_per_epoch
 from store import registry
 
@@ -49,8 +50,10 @@ def produce_offline(teacher, dataset, writer, *, seed, augment, batch_size, prog
     t0 = time.perf_counter()
     bar = tqdm(total=owned.size, initial=owned.size - todo_n, unit="row", desc="teacher",
                disable=not progress, dynamic_ncols=True, smoothing=0.1)
+    interrupts = Interrupts().install()
     try:
         for a in range(0, owned.size, batch_size):
+            interrupts.check()  # Ctrl-C stops here, between committed batches
             keys = owned[a:a + batch_size]
             keys = keys[~writer.is_done(keys)]
             if keys.size == 0:
@@ -63,6 +66,7 @@ def produce_offline(teacher, dataset, writer, *, seed, augment, batch_size, prog
             stats.rows_written += writer.write(idx, logits, views=views)
             bar.update(keys.size)
     finally:
+        interrupts.restore()
         bar.close()
         stats.seconds = time.perf_counter() - t0
     return stats
@@ -121,8 +125,12 @@ def produce_online(teacher, dataset, sink, *, seed, augment, batch_size, epochs,
     t0 = time.perf_counter()
     next_report = 0.0
     bar = tqdm(total=total, unit="step", desc="teacher (online)", disable=not progress, dynamic_ncols=True)
+    # Into a cache, Ctrl-C stops between committed steps. Into a ring it is taken as it comes: a
+    # write may wait for the trainer to free slots, and a stop must not wait for that.
+    interrupts = Interrupts().install() if sink.base is not None else Interrupts()
     try:
         for st in schedule(seed, epochs, n, batch_size, spec.views, start_epoch):
+            interrupts.check()
             need = sink.need(st.indices, st.view, st.epoch)
             if digests is not None:
                 digests.add(st)
@@ -146,6 +154,7 @@ def produce_online(teacher, dataset, sink, *, seed, augment, batch_size, epochs,
                 bar.update(max(0, bar.total - bar.n))  # done: the bar says so
                 break  # every key is cached: later epochs would only re-read it
     finally:
+        interrupts.restore()
         bar.close()
         stats.seconds = time.perf_counter() - t0
     return stats

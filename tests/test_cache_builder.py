@@ -331,3 +331,43 @@ def test_a_teacher_for_other_images_is_refused_naming_both_shapes(tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "1x8x8" in last and "(4, 3, 3, 3)" in last and "(4, 1, 3, 3)" in last, last
     assert not (tmp_path / "c").exists() or not os.listdir(tmp_path / "c")
+
+
+@pytest.mark.parametrize("online", [False, True])
+def test_ctrl_c_that_python_would_swallow_still_stops_the_producer_between_batches(tmp_path, online):
+    """Ctrl-C lands where Python swallows KeyboardInterrupt (a weak reference's callback, an MXNet
+    destructor: "Exception ignored in ..."). The producer records it and stops at its next batch,
+    with every batch before it committed; Python's own handler is back afterwards."""
+    import signal
+    from cache_builder.produce import CacheSink, produce_offline, produce_online
+    from pipeline import Augment, load_dataset
+    from pipeline.cachespec import build_spec
+    from store import CacheReader, CacheWriter
+
+    class Teacher:  # interrupted during its third batch, inside code that swallows the exception
+        calls = 0
+
+        def forward(self, x):
+            Teacher.calls += 1
+            if Teacher.calls == 3:
+                try:
+                    os.kill(os.getpid(), signal.SIGINT)
+                    time.sleep(0.2)
+                except KeyboardInterrupt:
+                    pass  # what a destructor or a weakref callback does with it
+            return np.tile(np.arange(10, dtype=np.float32), (len(x), 1))
+
+    data = load_dataset("synthetic:n=400,classes=10,shape=1x8x8")
+    spec = build_spec({"name": "fake"}, data, codec="full", dtype="float32")
+    base = str(tmp_path / "c")
+    w = CacheWriter(base, spec)
+    with pytest.raises(KeyboardInterrupt):
+        if online:
+            produce_online(Teacher(), data, CacheSink(w), seed=0, augment=Augment(), batch_size=32, epochs=1,
+                           progress=False)
+        else:
+            produce_offline(Teacher(), data, w, seed=0, augment=Augment(), batch_size=32, progress=False)
+    w.abort()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with CacheReader(base, spec=spec) as r:
+        assert r.missing(np.arange(400), 0).size == 400 - 3 * 32  # the three batches before the stop

@@ -66,7 +66,8 @@ def test_ctrl_c_in_the_epochs_is_kept_and_raised_at_a_safe_point():
     check: at a step, or while the loop waits for a batch. A second SIGINT is raised at once.
     Afterwards Python's own handler is back; a trainer started with SIGINT ignored keeps ignoring it."""
     import threading
-    from trainer.prefetch import Interrupts, Prefetcher
+    from pipeline.interrupts import Interrupts
+    from trainer.prefetch import Prefetcher
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     stop = Interrupts().install()
     try:

@@ -1,45 +1,9 @@
-"""The loop's machinery: batches built ahead in a thread, and Ctrl-C taken at safe points."""
+"""Batches built ahead of the training loop, in a thread."""
 import queue
-import signal
 import threading
 import time
 
 from pipeline.augment import make_views
-
-
-class Interrupts:
-    """Ctrl-C (SIGINT) during the epochs, raised where it is safe.
-
-    Python raises KeyboardInterrupt wherever the main thread happens to be: inside an MXNet
-    destructor it is swallowed ("Exception ignored in ... NDArrayBase.__del__") and training goes
-    on; between a lock's acquire and its release (a queue's, in the batch wait) it can leave the
-    lock held, and a trainer was once seen hanging after a Ctrl-C. While installed, the first
-    SIGINT is recorded and raised by check(), at the next step or while the loop waits for a
-    batch; a second one is raised at once."""
-
-    def __init__(self):
-        self.requested = False
-        self._old = None
-
-    def install(self):
-        # only over Python's own handler: not when the trainer was started with SIGINT ignored
-        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-            self._old = signal.signal(signal.SIGINT, self._handler)
-        return self
-
-    def _handler(self, signum, frame):
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-
-    def check(self):
-        if self.requested:
-            raise KeyboardInterrupt
-
-    def restore(self):
-        if self._old is not None:
-            signal.signal(signal.SIGINT, self._old)
-            self._old = None
 
 
 class Prefetcher:

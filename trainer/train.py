@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from pipeline.cachespec import build_spec
 from pipeline.datasets import load_dataset
+from pipeline.interrupts import Interrupts
 from pipeline.schedule import EpochDigests, schedule, steps_per_epoch
 from pipeline.teacher import check_fits, load_teacher
 from store import CacheNotFoundError, CacheReader, ProducerGoneError, path_for, registry
@@ -20,7 +21,7 @@ from store.registry import final_path
 from trainer.checkpoint import load_checkpoint, save_checkpoint
 from trainer.loss import KDLoss
 from trainer.models import get_model
-from trainer.prefetch import Interrupts, Prefetcher
+from trainer.prefetch import Prefetcher
 from trainer.targets import (TrainError, create_ring, producer_command, producer_failure, producer_result,
                              producer_running, start_producer, stop_producer)
 

@@ -162,6 +162,60 @@ def test_resume_continues_an_interrupted_run_to_the_same_student(teacher, tmp_pa
         assert np.abs(a[k] - b[k]).max() <= 1e-6, k
 
 
+class _Planted:
+    """A pickle payload: unpickling it creates the marker file."""
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.slow
+def test_resume_never_unpickles_the_optimizer_state(tmp_path):
+    """The optimiser state is MXNet arrays plus JSON: a pickle planted where MXNet's
+    Trainer.save_states writes (trainer.states) or in place of the state arrays is never run;
+    an older run's pickled trainer.states is refused with one error line, not loaded."""
+    import pickle
+    base = ["--teacher-mode", "none", "--seed", 1, "--threads", 1, "--run", "r"]
+    train(tmp_path, *base, "--epochs", 1)
+    run = tmp_path / "runs" / "r"
+    marker = tmp_path / "pwned"
+    payload = pickle.dumps(_Planted(marker))
+
+    def refused(r, *words):
+        assert r.returncode == 2, r.stderr[-2000:]
+        lines = [l for l in r.stderr.splitlines() if l.startswith("error:")]
+        assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+        assert all(w in lines[0] for w in words), lines[0]
+        assert not marker.exists()
+
+    # a planted trainer.states is not read: a clean resume
+    (run / "trainer.states").write_bytes(payload)
+    train(tmp_path, *base, "--epochs", 2, "--resume")
+    assert not marker.exists(), "the planted pickle ran"
+    state = json.load(open(run / "state.json"))
+    assert state["epoch"] == 1 and state["optimizer"]["num_update"] > 0
+    assert sorted(f for f in os.listdir(run) if f.startswith("optimizer-states-")) == ["optimizer-states-0001.params"]
+    good = (run / "optimizer-states-0001.params").read_bytes()
+    # a pickle in place of the state arrays is refused
+    (run / "optimizer-states-0001.params").write_bytes(payload)
+    refused(train(tmp_path, *base, "--epochs", 3, "--resume", check=False), "optimizer-states-0001.params")
+    (run / "optimizer-states-0001.params").write_bytes(good)
+    # an older kdcache's run (no optimiser record in state.json, a pickled trainer.states): refused
+    (run / "state.json").write_text(json.dumps({k: v for k, v in state.items() if k != "optimizer"}))
+    refused(train(tmp_path, *base, "--epochs", 3, "--resume", check=False), "trainer.states", "older kdcache",
+            "pickle")
+    # a malformed record names state.json
+    (run / "state.json").write_text(json.dumps({**state, "optimizer": {**state["optimizer"], "num_update": "x"}}))
+    refused(train(tmp_path, *base, "--epochs", 3, "--resume", check=False), "state.json", "num_update")
+    (run / "state.json").write_text(json.dumps(state))
+    train(tmp_path, *base, "--epochs", 3, "--resume")
+    assert not marker.exists()
+    assert [h["epoch"] for h in json.load(open(run / "metrics.json"))["history"]] == [0, 1, 2]
+    assert json.load(open(run / "state.json"))["optimizer"]["num_update"] > state["optimizer"]["num_update"]
+
+
 @pytest.mark.slow
 def test_a_producer_that_dies_ends_training_with_a_clear_error(teacher, tmp_path):
     """Kill the producer the trainer started: the trainer stops within seconds, no hang."""

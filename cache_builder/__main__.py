@@ -8,6 +8,7 @@ import sys
 import time
 
 from kdcache.args import Int, Name, Option, OutFile, Parser, add_options
+from pipeline.interrupts import exit_status, stop_word, take_sigterm
 from pipeline.options import SHARED, Shard, check_applies, check_views, resolve_teacher
 
 DESCRIPTION = """\
@@ -77,6 +78,7 @@ def parse_args(argv=None, prog="python -m cache_builder"):
 
 def main(argv=None, prog="python -m cache_builder"):
     args = parse_args(argv, prog)
+    take_sigterm()  # SIGTERM stops like Ctrl-C: at a safe point, rows kept, exit 143
     # Threads must be fixed before MXNet is imported: only OMP_NUM_THREADS limits its compute.
     from cache_builder.produce import default_threads
     default, cores = default_threads()
@@ -108,10 +110,10 @@ def main(argv=None, prog="python -m cache_builder"):
             sys.stderr.flush()
             os._exit(2)
         return 2
-    except KeyboardInterrupt:
-        print("interrupted: every row written so far is kept; run the same command again to resume",
+    except KeyboardInterrupt as e:
+        print(f"{stop_word(e)}: every row written so far is kept; run the same command again to resume",
               file=sys.stderr)
-        return 130
+        return exit_status(e)
 
 
 def write_timeline(path, timeline):

@@ -1,38 +1,72 @@
-"""Ctrl-C taken at safe points of the work loops (the trainer's epochs, the producer's batches)."""
+"""Ctrl-C and SIGTERM taken at safe points of the work loops (the trainer's epochs, the producer's batches)."""
 import signal
 
 
 class Interrupts:
-    """Ctrl-C (SIGINT) during a work loop, raised where it is safe.
+    """Ctrl-C (SIGINT) and SIGTERM during a work loop, raised where it is safe.
 
     Python raises KeyboardInterrupt wherever the main thread happens to be: inside an MXNet
     destructor or a weak reference's callback it is swallowed ("Exception ignored in ...") and the
     work goes on (a trainer trained on, a producer filled its whole cache and exited 0); between a
     lock's acquire and its release (a queue's, in the batch wait) it can leave the lock held, and
-    a trainer was once seen hanging after a Ctrl-C. While installed, the first SIGINT is recorded
-    and raised by check(), at the loop's next step (the trainer also checks while it waits for a
-    batch); a second one is raised at once."""
+    a trainer was once seen hanging after a Ctrl-C; SIGTERM's default action ended a process
+    mid-batch, skipping its clean close. While installed, the first signal is recorded and raised
+    by check() as Stopped (a KeyboardInterrupt), at the loop's next step (the trainer also checks
+    while it waits for a batch); a second one is raised at once."""
 
-    def __init__(self):
-        self.requested = False
-        self._old = None
+    def __init__(self, *, term=True):
+        self.requested = None  # the signal received, once one is
+        self.term = term  # SIGTERM too (not for a distributed worker: it blocks in the kvstore)
+        self._old = {}
 
     def install(self):
-        # only over Python's own handler: not when the process was started with SIGINT ignored
+        # Only over the default handlers: a process started with a signal ignored keeps ignoring it.
         if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-            self._old = signal.signal(signal.SIGINT, self._handler)
+            self._old[signal.SIGINT] = signal.signal(signal.SIGINT, self._handler)
+        if self.term and signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, raise_stopped):
+            self._old[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._handler)
         return self
 
     def _handler(self, signum, frame):
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
+        if self.requested is not None:
+            raise Stopped(signum)
+        self.requested = signum
 
     def check(self):
-        if self.requested:
-            raise KeyboardInterrupt
+        if self.requested is not None:
+            raise Stopped(self.requested)
 
     def restore(self):
-        if self._old is not None:
-            signal.signal(signal.SIGINT, self._old)
-            self._old = None
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        self._old = {}
+
+
+class Stopped(KeyboardInterrupt):
+    """The stop a signal asked for (SIGINT: Ctrl-C, or SIGTERM), raised at a safe point."""
+
+    def __init__(self, signum=signal.SIGINT):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = int(signum)
+
+
+def exit_status(stop):
+    """128 + the signal's number, as a shell reports a process the signal ended (130 for Ctrl-C)."""
+    return 128 + getattr(stop, "signum", signal.SIGINT)
+
+
+def stop_word(stop):
+    """How a command says it stopped: 'interrupted' (Ctrl-C) or 'stopped by SIGTERM'."""
+    return "interrupted" if exit_status(stop) == 128 + signal.SIGINT else "stopped by SIGTERM"
+
+
+def raise_stopped(signum, frame):
+    """SIGTERM raised as Stopped, as Python raises KeyboardInterrupt for SIGINT: outside the work
+    loops a command then leaves through its usual clean-up, with exit status 143."""
+    raise Stopped(signum)
+
+
+def take_sigterm():
+    """Handle SIGTERM like Ctrl-C from now on (unless this process was started with it ignored)."""
+    if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, raise_stopped)

@@ -234,8 +234,8 @@ def _shm_rings():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig,store", [(signal.SIGKILL, "cache"), (signal.SIGINT, "cache"),
-                                       (signal.SIGKILL, "ring"), (signal.SIGINT, "ring")])
+@pytest.mark.parametrize("sig,store", [(signal.SIGKILL, "cache"), (signal.SIGINT, "cache"), (signal.SIGTERM, "cache"),
+                                       (signal.SIGKILL, "ring"), (signal.SIGINT, "ring"), (signal.SIGTERM, "ring")])
 def test_killing_or_interrupting_the_trainer_leaves_nothing_behind(teacher, tmp_path, sig, store):
     rings = _shm_rings()
     p = _start_trainer(tmp_path, teacher, "--store", store)
@@ -252,6 +252,8 @@ def test_killing_or_interrupting_the_trainer_leaves_nothing_behind(teacher, tmp_
     out, err = p.communicate(timeout=60)
     if sig == signal.SIGINT:
         assert p.returncode == 130 and "interrupted" in err and "Traceback" not in err, err[-2000:]
+    if sig == signal.SIGTERM:  # taken at a safe point, like Ctrl-C, not the default's abrupt end
+        assert p.returncode == 143 and "stopped by SIGTERM" in err and "Traceback" not in err, err[-2000:]
     kids = [int(x) for x in open(f"/proc/{p.pid}/task/{p.pid}/children").read().split()] \
         if os.path.exists(f"/proc/{p.pid}") else []
     _kill_tree_check(kids + ([ppid] if ppid else []))
@@ -266,7 +268,8 @@ def test_killing_or_interrupting_the_trainer_leaves_nothing_behind(teacher, tmp_
 
 
 @pytest.mark.slow
-def test_interrupted_producer_resumes(teacher, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_interrupted_producer_resumes(teacher, tmp_path, sig):
     n = 200000  # enough rows that the producer is still writing when Ctrl-C comes
     data = f"synthetic:n={n},classes=10,shape=1x8x8"
     p = subprocess.Popen([sys.executable, "-m", "cache_builder", "--quiet", "--teacher", teacher, "--dataset", data,
@@ -276,9 +279,9 @@ def test_interrupted_producer_resumes(teacher, tmp_path):
         assert p.poll() is None, p.communicate()[1][-2000:]
         time.sleep(0.05)
     time.sleep(0.5)
-    p.send_signal(signal.SIGINT)
+    p.send_signal(sig)
     _, err = p.communicate(timeout=60)
-    assert p.returncode == 130 and "resume" in err and "Traceback" not in err, err[-2000:]
+    assert p.returncode == 128 + sig and "resume" in err and "Traceback" not in err, err[-2000:]
     base = glob.glob(str(tmp_path / "*.parts"))[0][:-6]
     kept = committed_rows_match_teacher(base, teacher, data)
     assert 0 < kept < n

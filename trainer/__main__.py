@@ -45,6 +45,9 @@ def main(argv=None, prog="python -m trainer"):
             print(f"error: argument --resume: {run_dir} has no checkpoint (state.json): run without "
                   f"--resume", file=sys.stderr)
             return 2
+    if not (args.kvstore or "").startswith("dist"):  # a distributed worker blocks in the kvstore: SIGTERM ends it
+        from pipeline.interrupts import take_sigterm
+        take_sigterm()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     logging.basicConfig(level=logging.INFO, format="[trainer %(asctime)s] %(message)s", datefmt="%H:%M:%S")
     from pipeline.checkpoint import TeacherError
@@ -72,10 +75,11 @@ def main(argv=None, prog="python -m trainer"):
     except (TrainError, StoreError, DatasetError, TeacherError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("interrupted: the last finished epoch is checkpointed; continue with --resume --run NAME",
+    except KeyboardInterrupt as e:
+        from pipeline.interrupts import exit_status, stop_word
+        print(f"{stop_word(e)}: the last finished epoch is checkpointed; continue with --resume --run NAME",
               file=sys.stderr)
-        return 130
+        return exit_status(e)
     finally:
         if early is not None:
             early.close()

@@ -224,7 +224,7 @@ def run(args, plan, early, threads, cores):
     pf = None
     timeline = []  # (unix time, schedule position, seconds this step waited): runs/<run>/timeline.json
     digests = EpochDigests(n, args.batch_size)  # the keys read, epoch by epoch (metrics: schedule_sha256)
-    interrupts = Interrupts().install()
+    interrupts = Interrupts(term=workers == 1).install()  # a worker waits in the kvstore: SIGTERM ends it
     try:
         for epoch in range(start_epoch, args.epochs):
             steps = schedule(args.seed, epoch + 1, n, args.batch_size, args.views, start_epoch=epoch)

@@ -1,6 +1,7 @@
 """Distributed student training on MXNet's kvstore (dist_sync on loopback) and its failures."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -113,3 +114,106 @@ def test_a_killed_producer_ends_the_job_with_a_clear_error(tmp_path):
     assert "the producer failed: it was killed (SIGKILL)" in err and "Traceback" not in err, err[-3000:]
     assert not subprocess.run(["pgrep", "-f", f"{tmp_path}/"], capture_output=True, text=True).stdout.strip()
 
+
+
+def job_pids(root):
+    """root and every process below it (from /proc/<pid>/stat's parent pid)."""
+    parent = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    parent[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    pids, grew = {root}, True
+    while grew:
+        more = {p for p, pp in parent.items() if pp in pids} - pids
+        pids |= more
+        grew = bool(more)
+    return pids
+
+
+def listening(pids):
+    """{(pid, local address)} of the TCP sockets that `pids` listen on, from `ss -ltnpH`."""
+    import re
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, timeout=30).stdout
+    found = set()
+    for line in out.splitlines():
+        cols = line.split()
+        if len(cols) < 6:
+            continue
+        host = cols[3].rsplit(":", 1)[0].strip("[]").split("%")[0]
+        for pid in map(int, re.findall(r"pid=(\d+)", line)):
+            if pid in pids:
+                found.add((pid, host))
+    return found
+
+
+def is_loopback(host):
+    import ipaddress
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return False  # '*' (every address), or a name
+    return ip.is_loopback or bool(getattr(ip, "ipv4_mapped", None) and ip.ipv4_mapped.is_loopback)
+
+
+def watch_listeners(p, want):
+    """Collect what the job p's processes listen on until it ends; at least `want` sockets."""
+    seen = set()
+    while p.poll() is None:
+        seen |= listening(job_pids(p.pid))
+        time.sleep(0.1)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err[-3000:]
+    assert len(seen) >= want, f"saw only {sorted(seen)} listening: the job ended before its processes were seen"
+    return seen
+
+
+def external_address():
+    import socket
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # no packet is sent: the address the route would use
+            ip = s.getsockname()[0]
+        except OSError:
+            return None
+    return None if is_loopback(ip) else ip
+
+
+JOB = ("--teacher-mode", "none", "--dataset", "synthetic:n=4000,classes=10,shape=1x8x8", "--epochs", 4)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not shutil.which("ss"), reason="`ss` (iproute2) is not installed: cannot list listening sockets")
+def test_every_kvstore_process_listens_on_loopback_only(tmp_path):
+    """ps-lite has no authentication: the scheduler, the server and both workers listen on
+    127.0.0.1 only (before --host, ps-lite bound servers and workers to the external interface)."""
+    p = launch(tmp_path, *JOB, "--run", "lo", popen=True)
+    seen = watch_listeners(p, want=4)  # scheduler, server, 2 workers
+    assert len({pid for pid, _ in seen}) >= 4, sorted(seen)
+    exposed = sorted((pid, h) for pid, h in seen if not is_loopback(h))
+    assert not exposed, f"kvstore processes listen beyond loopback: {exposed} (all: {sorted(seen)})"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not shutil.which("ss"), reason="`ss` (iproute2) is not installed: cannot list listening sockets")
+def test_host_option_listens_on_the_address_given(tmp_path):
+    ip = external_address()
+    if ip is None:
+        pytest.skip("this machine has no non-loopback IPv4 address to listen on")
+    cmd = [sys.executable, "-m", "trainer.launch", "--workers", "2", "--host", ip, "--",
+           "--quiet", "--runs-dir", str(tmp_path / "runs"), "--cache-dir", str(tmp_path / "caches"),
+           *map(str, JOB), "--run", "ext"]
+    p = subprocess.Popen(cmd, env=ENV, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen = watch_listeners(p, want=4)
+    assert {h for _, h in seen} == {ip}, sorted(seen)
+
+
+def test_host_must_be_an_address_of_this_machine():
+    for bad, says in (("example", "not an IPv4 address"), ("0.0.0.0", "not 0.0.0.0"),
+                      ("203.0.113.7", "not an address of this machine")):
+        r = subprocess.run([sys.executable, "-m", "trainer.launch", "--host", bad, "--", "--teacher-mode", "none"],
+                           env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, (bad, r.stderr)

@@ -5,8 +5,14 @@ worker running `python -m trainer --kvstore dist_sync ...` on its part of every 
 reading its targets from the shared cache (worker 0 starts the producer when one is needed).
 A process that dies ends the whole run with a clear error instead of leaving the others
 blocked in the kvstore. Across hosts, start the same processes by hand: see the README.
+
+Every kvstore process listens on --host only (default 127.0.0.1): ps-lite has no
+authentication, so whoever reaches a server's or a worker's port can push into the parameters
+or stop the job. ps-lite binds a server's and a worker's socket to DMLC_NODE_HOST, and without
+it to the first non-loopback interface it finds; the scheduler binds to DMLC_PS_ROOT_URI.
 """
 import functools
+import ipaddress
 import os
 import signal
 import socket
@@ -14,16 +20,36 @@ import subprocess
 import sys
 import time
 
-from kdcache.args import Int, Option, Parser, add_options
+from kdcache.args import Allowed, Int, Option, Parser, add_options, fail
 from pipeline.children import die_with_parent
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def free_port():
+def free_port(host="127.0.0.1"):
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
+
+
+class Address(Allowed):
+    """An IPv4 address of this machine (127.0.0.1: this machine only)."""
+
+    def __call__(self, s):
+        s = str(s).strip()
+        try:
+            ip = ipaddress.ip_address(s)
+        except ValueError:
+            fail(f"{s!r} is not an IPv4 address: name an address of this machine, e.g. 127.0.0.1")
+        if ip.version != 4 or ip.is_unspecified or ip.is_multicast:
+            fail(f"{s!r}: name one IPv4 address of this machine (not 0.0.0.0, not IPv6): every process "
+                 f"listens on it and tells the others to connect to it")
+        with socket.socket() as sock:
+            try:
+                sock.bind((s, 0))
+            except OSError as e:
+                fail(f"{s} is not an address of this machine ({e.strerror})")
+        return s
 
 
 LAUNCHER = [
@@ -35,6 +61,10 @@ LAUNCHER = [
     Option("--port", "scheduler port (default: a free one)", type=Int(1024, 65535), metavar="PORT", group="launch"),
     Option("--threads", "compute threads per worker (default: cores / workers)", type=Int(1, 1024), metavar="N",
            group="launch"),
+    Option("--host", "the address every kvstore process (scheduler, servers, workers) listens on; ps-lite has "
+           "no authentication: whoever reaches these ports can change the parameters or stop the job, so "
+           "use another address only on a trusted network", type=Address(), default="127.0.0.1",
+           metavar="ADDRESS", group="launch"),
 ]
 
 
@@ -65,9 +95,15 @@ def main(argv=None, prog="python -m trainer.launch"):
     args, rest = parse_args(argv, prog)
     cores = len(os.sched_getaffinity(0))
     threads = args.threads or max(1, cores // args.workers)
-    port = args.port or free_port()
+    port = args.port or free_port(args.host)
     base = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-            "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": str(port),
+            # ps-lite (MXNet 1.9.1): the scheduler binds tcp://DMLC_PS_ROOT_URI:port; a server or a
+            # worker binds tcp://DMLC_NODE_HOST:port, and without DMLC_NODE_HOST the address of
+            # DMLC_INTERFACE, or else of the first non-loopback interface (the external one).
+            # DMLC_USE_KUBERNETES=1 (inherited) would bind the scheduler to 0.0.0.0: off.
+            "DMLC_PS_ROOT_URI": args.host, "DMLC_PS_ROOT_PORT": str(port), "DMLC_NODE_HOST": args.host,
+            **({"DMLC_INTERFACE": "lo"} if ipaddress.ip_address(args.host).is_loopback else {}),
+            "DMLC_USE_KUBERNETES": "0",
             "DMLC_NUM_SERVER": str(args.servers), "DMLC_NUM_WORKER": str(args.workers),
             "OMP_NUM_THREADS": "1", "MXNET_SUBGRAPH_VERBOSE": "0", "PS_VERBOSE": "0"}
     procs = []
@@ -92,7 +128,7 @@ def main(argv=None, prog="python -m trainer.launch"):
         # at its first broadcast. Worker 0's producer inherits this (its teacher runs without oneDNN).
         workers.append(spawn("worker", cmd, {"OMP_NUM_THREADS": str(threads), "MXNET_MKLDNN_ENABLED": "0",
                                              "MXNET_STORAGE_FALLBACK_LOG_VERBOSE": "0"}))
-    print(f"[launch] scheduler on 127.0.0.1:{port}, {args.servers} server(s), {args.workers} worker(s) "
+    print(f"[launch] scheduler on {args.host}:{port}, {args.servers} server(s), {args.workers} worker(s) "
           f"({args.kvstore}, {threads} thread(s) each)", flush=True)
 
     def stop_all(sig=signal.SIGTERM):

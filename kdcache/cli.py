@@ -11,11 +11,19 @@ COMMANDS = {
                                  "machine"),
     "ls": ("store.__main__", "list the caches in the cache directory"),
     "inspect": ("store.__main__", "print all metadata of one cache"),
-    "verify": ("store.__main__", "check a cache's schema, flags, values and completeness"),
+    "verify": ("store.__main__", "check a cache's schema, flags, values and completeness (--teacher: and its "
+                                 "logits against the teacher, on sampled keys)"),
     "gc": ("store.__main__", "remove incomplete, damaged or unused caches and stale shared-memory rings"),
     "options": ("pipeline.options", "the options the producer and the trainer share, with their defaults"),
 }
 STORE_COMMANDS = ("ls", "inspect", "verify", "gc")
+# `kdcache verify PATH --teacher PREFIX` runs the teacher (MXNet), which the store never imports.
+TEACHER_VERIFY = "cache_builder.verify"
+
+
+def teacher_verify(rest):
+    """Does this `kdcache verify` name a teacher (or ask for help, which explains both forms)?"""
+    return any(a in ("--teacher", "-h", "--help") or a.startswith("--teacher=") for a in rest)
 
 
 def usage():
@@ -44,6 +52,8 @@ def main(argv=None):
               f"(see kdcache --help)", file=sys.stderr)
         return 2
     import importlib
+    if name == "verify" and teacher_verify(rest):
+        return importlib.import_module(TEACHER_VERIFY).main(rest, prog="kdcache verify")
     module = importlib.import_module(COMMANDS[name][0])
     if name in STORE_COMMANDS:
         return module.main([name, *rest], prog="kdcache")

@@ -1,0 +1,307 @@
+"""kdcache verify PATH --teacher PREFIX: run the teacher again on sampled keys and compare with the cache.
+
+The store's own checks (schema, flags, fingerprint, finite values) say a cache is well formed;
+only the teacher can say its rows are right. Each sampled key's input is rebuilt from what the
+cache records (data set identity, augmentation and its seed, views, the teacher's
+preprocessing), as TinyViT's --check-saved-logits does, and the stored row must equal the
+teacher's output up to what the codec's storage type rounds away.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+from kdcache.args import Allowed, Int, Option, Parser, add_options, fail
+from pipeline.options import SHARED_BY_DEST
+
+DESCRIPTION = """\
+Check a cache against its teacher: first the store's checks (as kdcache verify PATH without
+--teacher), then the teacher runs again on --sample random keys (sample index, view), each
+input rebuilt from what the cache records: the data set, the augmentation and its seed, the
+teacher's preprocessing. Reports the largest |stored - teacher| logit difference and the top-1
+agreement. The teacher's files must be the ones the cache was built from (their SHA-256).
+Exit 0: sound and every key within the codec's tolerance; 1: not; 2: a mistake (another teacher,
+data set files missing or different, bad options)."""
+
+DEFAULT_SAMPLE = 256
+SHOWN = 10  # keys beyond tolerance listed by name
+
+
+class Sample(Allowed):
+    """An integer >= 1, or all (every key)."""
+
+    def __call__(self, s):
+        v = str(s).strip().lower()
+        if v == "all":
+            return "all"
+        try:
+            n = int(v)
+        except ValueError:
+            fail(f"{s!r} is not a count: use an integer >= 1, or all for every key")
+        if n < 1:
+            fail(f"{n} is not allowed: use an integer >= 1, or all for every key")
+        return n
+
+
+VERIFY = [
+    Option("--epoch", "the teacher's checkpoint epoch (default: the one the cache records, as PREFIX:EPOCH)",
+           type=Int(0, 9999), metavar="E", group="teacher check"),
+    Option("--sample", f"how many random keys to check, or all (default {DEFAULT_SAMPLE})", type=Sample(),
+           default=DEFAULT_SAMPLE, metavar="N|all", group="teacher check"),
+    Option("--threads", "teacher compute threads (OMP_NUM_THREADS)", type=Int(1, 1024), default=1, metavar="N",
+           group="teacher check"),
+    Option("--json", "print the report as JSON", action="store_true", group="output"),
+    Option("--quiet", "no progress bar", action="store_true", group="output"),
+]
+
+
+class Refused(Exception):
+    """The check cannot run as asked (exit 2); the message names the cause and the fix."""
+
+
+def build_parser(prog="kdcache verify"):
+    p = Parser(prog=prog, description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("path", help="cache path (P, P.h5 or P.parts)")
+    shared = [SHARED_BY_DEST[d] for d in ("teacher", "seed", "batch_size", "data_root", "image_size")]
+    add_options(p, shared + VERIFY, teacher={"required": True, "help": "the teacher the cache was built from: "
+                                             "PREFIX-symbol.json + PREFIX-NNNN.params (without --teacher, "
+                                             "kdcache verify PATH runs the store's checks only)"},
+                seed={"help": "seed of the random sample of keys (the augmentation's seed is the cache's)"},
+                batch_size={"help": "teacher batch"},
+                data_root={"help": "the data set's local files, when the cache's data set reads files"},
+                image_size={"help": "resize decoded images to HxW, as the cache was built (recordio, imagefolder)"})
+    return p
+
+
+def main(argv=None, prog="kdcache verify"):
+    args = build_parser(prog).parse_args(argv)
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # before MXNet loads: only this limits its threads
+    os.environ.setdefault("MXNET_SUBGRAPH_VERBOSE", "0")
+    from pipeline.checkpoint import TeacherError
+    from pipeline.datasets import DatasetError
+    from store import StoreError
+    try:
+        report = check(args)
+    except (Refused, TeacherError, DatasetError, StoreError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: nothing was changed", file=sys.stderr)
+        return 130
+    ok = report["sound"] and report["teacher_check"] is not None and report["teacher_check"]["match"]
+    if args.json:
+        print(json.dumps(report, indent=1, default=str))
+    else:
+        print_report(report)
+    return 0 if ok else 1
+
+
+def check(args):
+    """The store's verdict, then the teacher's: the report as a dict."""
+    from store import registry
+    base = registry.base_path(args.path)
+    if not base or not registry.exists(base):
+        raise Refused(f"no cache at {args.path!r}: pass a path that `kdcache ls` shows (P, P.h5 or P.parts)")
+    report, problems = registry.verify(base)
+    report.update(sound=not problems, problems=problems, teacher_check=None)
+    if problems:
+        return report
+    import h5py
+
+    from store import CacheSpec
+    with h5py.File(registry.final_path(base), "r") as f:  # sound: a finished file of a known format version
+        spec = CacheSpec.from_meta(dict(f.attrs))
+        topt = recorded_teacher(args, spec.inputs.get("teacher"), report["path"])
+        dataset, augment, seed = recorded_inputs(args, spec.inputs)
+        report["teacher_check"] = compare(args, f, spec, topt, dataset, augment, seed)
+    return report
+
+
+def short(t):
+    """A teacher identity as one word: name:epoch@params digest, symbol digest."""
+    return (f"{t.get('name')}:{t.get('epoch')}@{str(t.get('params_sha256'))[:12]}"
+            f"/{str(t.get('symbol_sha256'))[:12]}")
+
+
+def recorded_teacher(args, rec, where):
+    """The passed checkpoint with the preprocessing the cache records; its files must be the cache's."""
+    from pipeline.checkpoint import TeacherOptions, parse_teacher_arg
+    if not isinstance(rec, dict) or not rec.get("params_sha256") or not rec.get("symbol_sha256"):
+        raise Refused(f"cache {where} records no teacher checkpoint digests ({rec!r}): it was not built by "
+                      f"kdcache cache, so no teacher can be checked against it; drop --teacher")
+    prefix, epoch = parse_teacher_arg(args.teacher)
+    if args.epoch is not None:
+        if epoch is not None and epoch != args.epoch:
+            raise Refused(f"--teacher {args.teacher} names epoch {epoch}, --epoch says {args.epoch}: give one")
+        epoch = args.epoch
+    if epoch is None and os.path.isfile(f"{prefix}-{int(rec.get('epoch') or 0):04d}.params"):
+        epoch = int(rec.get("epoch") or 0)
+    topt = TeacherOptions(prefix, epoch, rec.get("input"), rec.get("mean"), rec.get("std"), rec.get("size"))
+    got = topt.identity()
+    if (got["params_sha256"], got["symbol_sha256"]) != (rec["params_sha256"], rec["symbol_sha256"]):
+        raise Refused(f"cache {where} was built by teacher {short(rec)}, you passed {short(got)}: "
+                      f"pass the right --teacher (and --epoch)")
+    return topt
+
+
+def dataset_name(rec):
+    """The --dataset value that loads the recorded data set (synthetic's parameters included)."""
+    name = rec.get("name")
+    if name != "synthetic":
+        return name
+    n = int(rec["n"]) * (5 if rec.get("split") == "test" else 1)  # the test split records n // 5
+    shape = "x".join(str(int(s)) for s in rec["shape"])
+    return f"synthetic:n={n},classes={int(rec['classes'])},shape={shape},seed={int(rec['seed'])}"
+
+
+def recorded_inputs(args, inputs):
+    """(data set, augmentation, augmentation seed) as the cache records them; the data set must be
+    the same one (its identity: name, split, length, content digest)."""
+    from pipeline.augment import Augment
+    from pipeline.datasets import DATASETS, load_dataset
+    rec = inputs.get("dataset")
+    if not isinstance(rec, dict) or rec.get("name") not in DATASETS:
+        raise Refused(f"the cache records data set {rec!r}, which kdcache cannot load: no teacher check "
+                      f"possible; drop --teacher")
+    builtin = rec["name"] in ("digits", "synthetic")
+    if builtin and args.data_root is not None:
+        raise Refused(f"argument --data-root: the cache's data set {rec['name']} is built in and reads no files; "
+                      f"drop --data-root")
+    if not builtin and args.data_root is None:
+        raise Refused(f"the cache was built from data set {rec['name']} ({rec.get('split')}, {rec.get('length')} "
+                      f"samples), read from local files: pass --data-root")
+    dataset = load_dataset(dataset_name(rec), data_root=args.data_root, split=rec.get("split", "train"),
+                           image_size=args.image_size, num_classes=rec.get("num_classes"))
+    got = dataset.identity()
+    differ = sorted(k for k in set(rec) | set(got) if rec.get(k) != got.get(k))
+    if differ:
+        shown = "; ".join(f"{k} {rec.get(k)!r} in the cache, {got.get(k)!r} here" for k in differ[:3])
+        fix = "pass --image-size as the cache was built" if "shape" in differ else "pass the right --data-root"
+        raise Refused(f"the data set differs from the one the cache was built from ({shown}): {fix}")
+    return dataset, Augment.parse(inputs.get("augment") or "none"), int(inputs.get("augment_seed") or 0)
+
+
+def tolerance(fresh, dtype):
+    """Per key: how far a stored logit may be from the teacher's: the storage type's rounding of
+    the row's largest magnitude, plus slack for the teacher's own last-bit noise."""
+    mag = np.abs(fresh).max(axis=1)
+    if dtype == "float16":
+        return mag * 2.0 ** -10 + 1e-3
+    return mag * 1e-4 + 1e-5
+
+
+RULES = {"float16": "float16 rounding: max|x| * 2^-10 + 1e-3 per key",
+         "float32": "float32: max|x| * 1e-4 + 1e-5 per key"}
+
+
+def compare_rows(stored, fresh, codec, dtype):
+    """Per key: (largest |stored - teacher|, tolerance, stored top-1, teacher top-1, top-1 agrees up to
+    ties, within tolerance) for stored fields {name: rows} and the teacher's logits [B, C]."""
+    from store import schema
+    tol = tolerance(fresh, dtype)
+    rows = np.arange(fresh.shape[0])
+    best = fresh.max(axis=1)
+    if codec == "full":
+        logits = stored[schema.LOGITS].astype(np.float32)
+        diff = np.abs(logits - fresh).max(axis=1)
+        top = logits.argmax(axis=1)
+        ok = diff <= tol
+    else:
+        vals = stored[schema.TOPK_VALUES].astype(np.float32)
+        idx = stored[schema.TOPK_INDICES].astype(np.int64)
+        at = np.take_along_axis(fresh, idx, axis=1)
+        diff = np.abs(vals - at).max(axis=1)
+        k = idx.shape[1]
+        kth = -np.partition(-fresh, k - 1, axis=1)[:, k - 1]
+        m = fresh.max(axis=1)
+        lse = m + np.log(np.exp(fresh - m[:, None]).sum(axis=1))
+        lse_diff = np.abs(stored[schema.TOPK_LSE].astype(np.float32) - lse)
+        top = idx[:, 0]
+        # the stored classes are the teacher's top K, up to ties within tolerance, and the tail's mass is right
+        ok = (diff <= tol) & (at.min(axis=1) >= kth - tol) & (lse_diff <= tolerance(fresh, "float32"))
+        diff = np.maximum(diff, lse_diff)
+    agree = fresh[rows, top] >= best - tol
+    return diff, tol, top, fresh.argmax(axis=1), agree, ok & agree
+
+
+def compare(args, f, spec, topt, dataset, augment, seed):
+    """Run the teacher on the sampled keys and compare with the stored rows."""
+    from tqdm import tqdm
+
+    from pipeline.augment import make_views
+    from pipeline.teacher import load_teacher
+    n_keys = spec.num_keys
+    if args.sample == "all" or args.sample >= n_keys:
+        keys = np.arange(n_keys, dtype=np.int64)
+    else:
+        keys = np.sort(np.random.default_rng(args.seed).choice(n_keys, args.sample, replace=False))
+    codec = spec.make_codec()
+    fields = [name for name, _, _ in codec.fields]
+    teacher = load_teacher(topt, args.batch_size)
+    cols = [[] for _ in range(6)]
+    t0 = time.perf_counter()
+    with tqdm(total=keys.size, unit="key", desc="verify", disable=args.quiet or keys.size < 2048,
+              dynamic_ncols=True) as bar:
+        for a in range(0, keys.size, args.batch_size):
+            k = keys[a:a + args.batch_size]
+            idx, views = k // spec.views, k % spec.views
+            u, inv = np.unique(idx, return_inverse=True)  # h5py reads increasing, unique indices
+            stored = {name: f[name][u][inv, views] for name in fields}
+            x, _ = make_views(dataset, idx, views, seed=seed, augment=augment)
+            for col, v in zip(cols, compare_rows(stored, teacher.forward(x), codec.name, spec.dtype)):
+                col.append(v)
+            bar.update(k.size)
+    diff, tol, top, want, agree, ok = (np.concatenate(c) for c in cols)
+    worst = int(np.argmax(diff - tol))
+    bad = np.flatnonzero(~ok)
+    seconds = time.perf_counter() - t0
+
+    def key(i):
+        return {"sample": int(keys[i] // spec.views), "view": int(keys[i] % spec.views)}
+    return {
+        "teacher": {k: v for k, v in topt.identity().items() if k in ("name", "epoch", "params_sha256",
+                                                                         "symbol_sha256")},
+        "codec": codec.spec, "dtype": spec.dtype, "num_keys": n_keys, "keys_checked": int(keys.size),
+        "sample_seed": args.seed, "max_abs_diff": float(diff.max()), "max_abs_diff_key": key(int(diff.argmax())),
+        "tolerance": float(tol[int(diff.argmax())]), "tolerance_rule": RULES[spec.dtype],
+        "worst_key": {**key(worst), "diff": float(diff[worst]), "tolerance": float(tol[worst])},
+        "top1_agreement": float(agree.mean()), "top1_exact": float((top == want).mean()),
+        "keys_beyond_tolerance": int(bad.size),
+        "beyond": [{**key(i), "diff": float(diff[i]), "tolerance": float(tol[i]), "stored_top1": int(top[i]),
+                    "teacher_top1": int(want[i])} for i in bad[:SHOWN]],
+        "match": not bad.size, "seconds": round(seconds, 3), "keys_per_s": round(keys.size / max(seconds, 1e-9), 1)}
+
+
+def print_report(report):
+    print(f"{report['path']}: {'sound' if report['sound'] else 'NOT sound'}")
+    for p in report["problems"]:
+        print(f"  - {p}")
+    t = report["teacher_check"]
+    if t is None:
+        print("teacher check: not run (the store's checks failed)")
+        return
+    what = "every key" if t["keys_checked"] == t["num_keys"] else f"random keys, seed {t['sample_seed']}"
+    w = t["max_abs_diff_key"]
+    print(f"teacher check: {t['keys_checked']} of {t['num_keys']} keys ({what}), teacher "
+          f"{t['teacher']['name']}:{t['teacher']['epoch']}, codec {t['codec']}/{t['dtype']}")
+    print(f"  max |stored - teacher|  {t['max_abs_diff']:.6g} at sample {w['sample']} view {w['view']} "
+          f"(tolerance there {t['tolerance']:.3g}; {t['tolerance_rule']})")
+    print(f"  top-1 agreement         {t['top1_agreement']:.4f} (exact {t['top1_exact']:.4f})")
+    print(f"  keys beyond tolerance   {t['keys_beyond_tolerance']}")
+    for b in t["beyond"]:
+        print(f"    sample {b['sample']} view {b['view']}: |diff| {b['diff']:.6g} > {b['tolerance']:.3g}; "
+              f"top-1 stored {b['stored_top1']}, teacher {b['teacher_top1']}")
+    if t["keys_beyond_tolerance"] > len(t["beyond"]):
+        print(f"    ... and {t['keys_beyond_tolerance'] - len(t['beyond'])} more (--json lists the first {SHOWN})")
+    if t["match"]:
+        print(f"{report['path']}: matches its teacher")
+    else:
+        print(f"{report['path']}: does NOT match its teacher: {t['keys_beyond_tolerance']} of {t['keys_checked']} "
+              f"keys checked are beyond tolerance")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -26,6 +26,7 @@ TEACHER_MODE ?=
 WORKERS    ?=
 PYTEST_ARGS ?=
 QUICK ?=
+CACHE ?=
 KDCACHE := $(VENV)/bin/kdcache
 DEFAULT_TEACHER := teachers/digits
 
@@ -44,7 +45,7 @@ TEACHER_DEP = $(if $(TEACHER),,$(if $(filter-out digits,$(DATASET)),,$(DEFAULT_T
 
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: help options setup test test-fast torture bench bench-kd bench-store bench-producer bench-sizing caches teacher cache cache-online train train-dist clean
+.PHONY: help options setup test test-fast torture bench bench-kd bench-store bench-producer bench-sizing caches verify teacher cache cache-online train train-dist clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s "$$(printf '\t')"
@@ -105,6 +106,10 @@ train-dist: setup $(TEACHER_DEP)  ## distributed training: a scheduler, a server
 
 caches: setup  ## list the caches in the cache directory (CACHE_DIR=...)
 	$(KDCACHE) ls $(call opt,CACHE_DIR,--cache-dir)
+
+verify: setup  ## check the cache CACHE=PATH (store checks); with TEACHER=PREFIX, its logits against the teacher too
+	$(KDCACHE) verify $(or $(CACHE),$(error make verify needs CACHE=PATH: `make caches` lists them)) \
+		$(call opt,TEACHER,--teacher)
 
 options: setup  ## the options the producer and the trainer share, with their defaults and Make variables
 	$(KDCACHE) options

@@ -33,8 +33,9 @@ def fingerprint(inputs):
     return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:FINGERPRINT_HEX]
 
 
-def file_digest(path, chunk=1 << 20):
-    """sha256 of a file's bytes (for teacher checkpoints and data files)."""
+def file_digest(path, chunk=1 << 20, progress=None):
+    """sha256 of a file's bytes (for teacher checkpoints and data files), read in blocks;
+    `progress(n)`, when given, is told the size of each block."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while True:
@@ -42,6 +43,8 @@ def file_digest(path, chunk=1 << 20):
             if not b:
                 break
             h.update(b)
+            if progress is not None:
+                progress(len(b))
     return h.hexdigest()
 
 

@@ -1,0 +1,138 @@
+"""Content digests (sha256) of the files a data set reads, remembered per user so a rerun reads nothing.
+
+A data set's identity goes into cache fingerprints, so it covers every byte of every file it reads:
+a file changed in place must never keep its digest. Reading a large data set takes minutes, so each
+file's digest is remembered in a small JSON memo, keyed by (real path, device, inode, size, mtime in
+ns), and one entry remembers a whole set of files (an image folder holds more files than the memo
+keeps entries). The memo is $KDCACHE_DIGEST_MEMO, else $XDG_CACHE_HOME/kdcache/digests.json (default
+~/.cache/kdcache/). It is only a shortcut: a memo that cannot be read or written is ignored.
+"""
+import hashlib
+import json
+import os
+import sys
+import tempfile
+import time
+
+from store import file_digest
+
+from .dataset_base import DatasetError
+
+MEMO_ENV = "KDCACHE_DIGEST_MEMO"
+MEMO_ENTRIES = 10_000  # the newest entries kept; an entry is ~150 bytes of JSON
+MEMO_VERSION = 1
+BLOCK = 1 << 20
+PROGRESS_BYTES = 256 << 20  # a first digest reading more than this shows a progress bar on stderr
+# A file modified within this long before its digest began is not remembered: file systems stamp
+# times coarsely (ext4 by the kernel tick, FAT by 2 s), so a change made just after the digest
+# could keep the same mtime and the memo would hide it (git's "racy" entries).
+RACY_NS = 3_000_000_000
+READ_FIX = "make it readable, or remove or replace it"
+
+
+def memo_path():
+    """Where the memo lives: $KDCACHE_DIGEST_MEMO, else $XDG_CACHE_HOME/kdcache/digests.json."""
+    if os.environ.get(MEMO_ENV):
+        return os.environ[MEMO_ENV]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "kdcache", "digests.json")
+
+
+def _load_memo(path):
+    """{key: {"d": hex digest, "t": ns when it was computed}}; {} for a missing, unreadable or corrupt memo."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+        entries = data["entries"] if data.get("version") == MEMO_VERSION else {}
+        return {k: e for k, e in entries.items()
+                if isinstance(e, dict) and isinstance(e.get("d"), str) and isinstance(e.get("t"), int)}
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError):
+        return {}
+
+
+def _save_memo(path, new):
+    """Add `new` entries to the memo on disk (re-read first: another process may have added its own),
+    keep the newest MEMO_ENTRIES, write to a temporary name and rename into place."""
+    entries = {**_load_memo(path), **new}
+    if len(entries) > MEMO_ENTRIES:
+        entries = dict(sorted(entries.items(), key=lambda kv: kv[1]["t"])[-MEMO_ENTRIES:])
+    tmp = None
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".digests.", suffix=".tmp")
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump({"version": MEMO_VERSION, "entries": entries}, fh, separators=(",", ":"))
+        os.replace(tmp, path)
+    except OSError:  # a read-only home or a full disk: the memo is only a shortcut
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def unreadable(path, e, fix):
+    """The DatasetError for a file that cannot be read (OSError `e`), naming it and the fix."""
+    return DatasetError(f"{path}: cannot be read ({e.strerror or e}): {fix}")
+
+
+def _stat_key(path, fix):
+    """(memo key, size, mtime in ns) of one file; DatasetError naming it when it cannot be reached."""
+    try:
+        real = os.path.realpath(path)
+        st = os.stat(real)
+    except OSError as e:
+        raise unreadable(path, e, fix) from None
+    return json.dumps([real, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]), st.st_size, st.st_mtime_ns
+
+
+def sha256_file(path, fix, progress=None):
+    """Hex sha256 of a file's bytes, read in blocks; `progress(n)` is told of each block."""
+    try:
+        return file_digest(path, BLOCK, progress)
+    except OSError as e:
+        raise unreadable(path, e, fix) from None
+
+
+def files_digest(files, *, desc="digest", fix=READ_FIX):
+    """Hex sha256 over each (path, name) in `files`: its name, its size and the sha256 of all its bytes.
+    The names (e.g. a path relative to the data root and a label) tie each file to its place in the data
+    set. A file read before and unchanged since (same real path, device, inode, size and mtime) is not
+    read again."""
+    started = time.time_ns()
+    stats = [_stat_key(p, fix) for p, _ in files]
+    h = hashlib.sha256()
+    for (_, name), (key, _, _) in zip(files, stats):
+        h.update(f"{name}\0{key}\0".encode())
+    set_key = "set:" + h.hexdigest()
+    memo_file = memo_path()
+    memo = _load_memo(memo_file)
+    settled = all(mtime + RACY_NS < started for _, _, mtime in stats)
+    if settled and set_key in memo:
+        return memo[set_key]["d"]
+    todo = [i for i, (key, _, _) in enumerate(stats) if key not in memo]
+    total = sum(stats[i][1] for i in todo)
+    bar = None
+    if total > PROGRESS_BYTES:
+        from tqdm import tqdm
+        bar = tqdm(total=total, unit="B", unit_scale=True, desc=desc, file=sys.stderr, dynamic_ncols=True)
+    new = {}
+    try:
+        digests = []
+        for (path, _), (key, size, mtime) in zip(files, stats):
+            if key in memo:
+                digests.append(memo[key]["d"])
+                continue
+            d = sha256_file(path, fix, bar.update if bar is not None else None)
+            digests.append(d)
+            if mtime + RACY_NS < started and _stat_key(path, fix)[0] == key:  # unchanged while read
+                new[key] = {"d": d, "t": started}
+    finally:
+        if bar is not None:
+            bar.close()
+    out = hashlib.sha256()
+    for (_, name), (_, size, _), d in zip(files, stats, digests):
+        out.update(f"{name}\0{size}\0{d}\n".encode())
+    digest = out.hexdigest()
+    if settled:
+        new[set_key] = {"d": digest, "t": started}
+    if new:
+        _save_memo(memo_file, new)
+    return digest

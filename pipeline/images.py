@@ -2,21 +2,29 @@
 
 Decoding is lazy (per sample, when a batch asks for it), except the first image, decoded at load
 time for the shape. A file or record that cannot be read or decoded raises DatasetError naming it,
-wherever that happens.
+wherever that happens. What a file declares is checked before it is acted on: the .idx offsets and
+each record's length against the .rec's size before MXNet reads a record, an image's dimensions
+(its header) against MAX_PIXELS before it is decoded. The identity digests every byte of the .rec,
+the .idx and every image (pipeline/digests.py remembers the digests).
 """
-import hashlib
+import io
 import os
 import re
 import struct
+import warnings
 
 import numpy as np
 
 from .dataset_base import Dataset, DatasetError
+from .digests import files_digest, unreadable
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 PNG_IEND = b"\x00\x00\x00\x00IEND\xaeB`\x82"  # the last chunk of every PNG, always these 12 bytes
 FOLDER_FIX = "remove or replace it"
 FOLDER_READ_FIX = "make it readable, or remove or replace it"
+MAX_PIXELS = 64_000_000  # one decoded image: 64 megapixels is 192 MB of RGB bytes, 768 MB as float32
+JPEG_FRAMES = (0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF)  # SOFn markers
+RECORD_MAGIC = 0xCED7230A  # every RecordIO record starts with it, then its length (29 bits) and a 3-bit flag
 
 
 def image_defect(buf):
@@ -59,6 +67,16 @@ def _jpeg_first_scan(buf):
     """Offset where the first scan's data starts; -1 when the file ends inside the headers; None
     when the headers do not parse. In scan data a 0xFF byte is followed by 0x00 or a restart
     marker, so an FF D9 after this offset can only be the end-of-image marker."""
+    found = _jpeg_segment(buf, (0xDA,))
+    if not isinstance(found, tuple):
+        return found
+    end = found[1] + 2 + int.from_bytes(buf[found[1] + 2:found[1] + 4], "big")
+    return end if end <= len(buf) else -1
+
+
+def _jpeg_segment(buf, wanted):
+    """(marker, offset) of the first marker segment in `wanted`; -1 when the file ends inside the
+    headers; None when the headers do not parse or the image ends first."""
     pos, n = 2, len(buf)
     while pos + 4 <= n:
         if buf[pos] != 0xFF:
@@ -70,11 +88,38 @@ def _jpeg_first_scan(buf):
             pos += 2
         elif marker == 0xD9:  # end of image before any scan
             return None
+        elif marker in wanted:
+            return marker, pos
         else:
             pos += 2 + int.from_bytes(buf[pos + 2:pos + 4], "big")
-            if marker == 0xDA:
-                return pos if pos <= n else -1
     return -1
+
+
+def image_oversize(buf):
+    """Why an image is too large to decode (its header declares over MAX_PIXELS), or None. Read from
+    the header alone: PNG's IHDR, JPEG's start-of-frame, else what PIL's header parser finds."""
+    size = None
+    if buf.startswith(PNG_SIGNATURE) and buf[12:16] == b"IHDR" and len(buf) >= 24:
+        size = struct.unpack(">II", buf[16:24])
+    elif buf.startswith(b"\xff\xd8"):
+        found = _jpeg_segment(buf, JPEG_FRAMES + (0xDA,))
+        if isinstance(found, tuple) and found[0] != 0xDA and found[1] + 9 <= len(buf):
+            size = struct.unpack(">HH", buf[found[1] + 5:found[1] + 9])[::-1]
+    else:
+        from PIL import Image
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # judged here
+                with Image.open(io.BytesIO(buf)) as im:
+                    size = im.size
+        except Image.DecompressionBombError as e:
+            return f"{e}".rstrip(".")
+        except Exception:  # not a format PIL reads: the decoder judges it
+            return None
+    if size is None or size[0] * size[1] <= MAX_PIXELS:
+        return None
+    return (f"its header declares {size[0]}x{size[1]} pixels ({size[0] * size[1] / 1e6:.0f} megapixels), over "
+            f"the limit of {MAX_PIXELS / 1e6:.0f} megapixels for one image")
 
 
 def _mxnet_reason(e):
@@ -93,15 +138,7 @@ def read_file(path, fix):
         with open(path, "rb") as fh:
             return fh.read()
     except OSError as e:
-        raise DatasetError(f"{path}: cannot be read ({e.strerror or e}): {fix}") from None
-
-
-def file_size(path, fix):
-    """Size of one image file; DatasetError naming it when it cannot be reached (a dangling link)."""
-    try:
-        return os.path.getsize(path)
-    except OSError as e:
-        raise DatasetError(f"{path}: cannot be read ({e.strerror or e}): {fix}") from None
+        raise unreadable(path, e, fix) from None
 
 
 class DecodedDataset(Dataset):
@@ -135,6 +172,9 @@ class DecodedDataset(Dataset):
         defect = image_defect(buf)
         if defect:
             raise DatasetError(f"{where}: cannot be decoded as an image: {defect}: {fix}")
+        oversize = image_oversize(buf)
+        if oversize:
+            raise DatasetError(f"{where}: not decoded: {oversize}: {fix}")
         try:
             nd_img = mx.image.imread(path) if path is not None else mx.image.imdecode(buf)
             if self.size is not None:
@@ -175,30 +215,49 @@ class RecordIODataset(DecodedDataset):
             if not os.path.isfile(p):
                 raise DatasetError(f"missing {p}: RecordIO needs the .rec file and its .idx index (im2rec writes both)")
         self.rec_path, self.idx_path = rec_path, idx_path
-        with open(idx_path) as fh:
-            lines = [line for line in fh if line.strip()]
-        try:
-            self.keys = [int(line.split("\t")[0]) for line in lines]
-            rec = mx.recordio.MXIndexedRecordIO(idx_path, rec_path, "r")  # parses the offsets
-        except (ValueError, IndexError):
-            raise DatasetError(f"{idx_path}: not a RecordIO index (lines of <record key><tab><offset>): "
-                               f"rebuild it with the .rec (im2rec)") from None
+        self.keys = self._checked_index()
+        rec = mx.recordio.MXIndexedRecordIO(idx_path, rec_path, "r")  # parses the offsets again
         labels = []
         for k in self.keys:
             header, _ = self._record(rec, k)
             lab = header.label
             labels.append(int(lab if np.isscalar(lab) else np.asarray(lab).reshape(-1)[0]))
         rec.close()
-        h = hashlib.sha256(open(idx_path, "rb").read())
-        st = os.path.getsize(rec_path)
-        with open(rec_path, "rb") as fh:  # head and tail: a full digest of a huge .rec would take minutes
-            h.update(fh.read(1 << 20))
-            fh.seek(max(0, st - (1 << 20)))
-            h.update(fh.read())
-        h.update(str(st).encode())
+        digest = files_digest([(p, os.path.basename(p)) for p in (rec_path, idx_path)],
+                              desc=f"digest of {rec_path}")
         classes = num_classes or (max(labels) + 1 if labels else 0)
         super().__init__("recordio", split, len(self.keys), labels, classes, size,
-                         {"digest": h.hexdigest(), "file": os.path.basename(rec_path)})
+                         {"digest": digest, "file": os.path.basename(rec_path)})
+
+    def _checked_index(self):
+        """The record keys of the .idx, each offset checked against the .rec's size and the record
+        header there (RecordIO's magic and a length within the file) before MXNet reads anything."""
+        try:
+            with open(self.idx_path) as fh:
+                index = [(int(f[0]), int(f[1])) for f in (line.split("\t") for line in fh if line.strip())]
+        except (ValueError, IndexError):
+            raise DatasetError(f"{self.idx_path}: not a RecordIO index (lines of <record key><tab><offset>): "
+                               f"rebuild it with the .rec (im2rec)") from None
+        size = os.path.getsize(self.rec_path)
+        with open(self.rec_path, "rb") as fh:
+            for k, offset in index:
+                if not 0 <= offset <= size - 8:
+                    raise DatasetError(f"{self.idx_path}: record {k} at offset {offset} is past the end of "
+                                       f"{os.path.basename(self.rec_path)} ({size} bytes): the .rec is truncated "
+                                       f"or the index belongs to another file; {self._fix(k)}")
+                fh.seek(offset)
+                magic, lrec = struct.unpack("<II", fh.read(8))
+                length = lrec & ((1 << 29) - 1)  # of this record, or of its first part (the top 3 bits)
+                if magic != RECORD_MAGIC:
+                    reason = "no RecordIO record starts there"
+                elif offset + 8 + length > size:
+                    reason = f"it declares {length} bytes, past the end of the file ({size} bytes)"
+                else:
+                    continue
+                raise DatasetError(f"{self.rec_path}: record {k} (offset {offset}) cannot be read ({reason}): "
+                                   f"the file is truncated or damaged, or {os.path.basename(self.idx_path)} "
+                                   f"belongs to another file; {self._fix(k)}")
+        return [k for k, _ in index]
 
     def _fix(self, k):
         return (f"rebuild {os.path.basename(self.rec_path)} (im2rec), or remove record {k}'s line from "
@@ -245,15 +304,11 @@ class ImageFolderDataset(DecodedDataset):
         if len(self._folder) == 0:
             raise DatasetError(f"{root}: no images found in class sub-folders (root/<class>/<image>.jpg)")
         items = self._folder.items
-        h = hashlib.sha256()
-        sizes = [file_size(p, FOLDER_READ_FIX) for p, _ in items]
-        total = sum(sizes)
-        for (p, lab), nbytes in zip(items, sizes):  # full content digest up to 1 GiB of images, else names and sizes
-            h.update(f"{os.path.relpath(p, root)}\0{lab}\0{nbytes}\0".encode())
-            if total <= (1 << 30):
-                h.update(hashlib.sha256(read_file(p, FOLDER_READ_FIX)).digest())
+        # Every byte of every image: a size limit here once let an image changed in place keep its digest.
+        digest = files_digest([(p, f"{os.path.relpath(p, root)}\0{lab}") for p, lab in items],
+                              desc=f"digest of {root}", fix=FOLDER_READ_FIX)
         super().__init__("imagefolder", split, len(items), [lab for _, lab in items], len(self._folder.synsets),
-                         size, {"digest": h.hexdigest(), "classes": list(self._folder.synsets)})
+                         size, {"digest": digest, "classes": list(self._folder.synsets)})
 
     def _decode(self, i):
         path = self._folder.items[i][0]

@@ -6,6 +6,8 @@ import gzip
 import io
 import os
 import struct
+import zipfile
+import zlib
 
 import mxnet as mx
 import numpy as np
@@ -180,3 +182,64 @@ def build(kind, root, pixel=False, label=False):
 ALL_KINDS = ["digits", "synthetic", "mnist", "fashion-mnist", "cifar10", "cifar100", "npz", "recordio",
              "imagefolder"]
 FILE_KINDS = ALL_KINDS[2:]
+
+
+# --- files for the identity and header tests ------------------------------------------------
+def write_big_rec(rec_path, n=64, hw=(128, 128)):
+    """A .rec of noise PNGs (they do not compress): n=64 of 128x128 is over 3 MiB. Returns its offsets."""
+    r = rng_for(12)
+    write_rec(rec_path, r.integers(0, 256, (n,) + tuple(hw) + (3,), dtype=np.uint8), np.arange(n) % 3)
+    return [int(line.split("\t")[1]) for line in open(str(rec_path)[:-4] + ".idx").read().splitlines()]
+
+
+def flip_byte(path, offset=None):
+    """One byte of the file changed in place (the middle one unless told), its size kept."""
+    size = os.path.getsize(path)
+    offset = size // 2 if offset is None else offset
+    with open(path, "r+b") as fh:
+        fh.seek(offset)
+        b = fh.read(1)
+        fh.seek(offset)
+        fh.write(bytes([b[0] ^ 0x01]))
+    return offset
+
+
+def age_files(root, seconds=3600):
+    """Every file under root dated `seconds` ago, as data sets are when loaded again (a file changed
+    within the last few seconds is read again whatever the memo holds)."""
+    t = os.path.getmtime(root) - seconds
+    paths = [root] if os.path.isfile(root) else [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs]
+    for p in paths:
+        os.utime(p, (t, t))
+
+
+def png_declaring(width, height):
+    """A whole PNG (signature, IHDR, one IDAT, IEND, valid CRCs) whose header declares width x height."""
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(bytes(64)))
+            + chunk(b"IEND", b""))
+
+
+def write_gz_bomb(path, dims, zeros_mib):
+    """An IDX .gz whose header declares `dims` (bytes) followed by `zeros_mib` MiB of zeros: a few
+    hundred KiB on disk."""
+    with gzip.open(path, "wb", compresslevel=9) as fh:
+        fh.write(bytes([0, 0, 8, len(dims)]) + struct.pack(f">{len(dims)}I", *dims))
+        block = bytes(1 << 20)
+        for _ in range(zeros_mib):
+            fh.write(block)
+    return str(path)
+
+
+def write_npz_declaring(path, shape, data=b"\0" * 16):
+    """An .npz whose x_train member's .npy header declares `shape` of uint8 but holds `data`."""
+    head = io.BytesIO()
+    np.lib.format.write_array_header_1_0(head, {"descr": "|u1", "fortran_order": False, "shape": tuple(shape)})
+    y = io.BytesIO()
+    np.save(y, np.zeros(2, np.int64))
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("x_train.npy", head.getvalue() + data)  # the header starts with the .npy magic
+        z.writestr("y_train.npy", y.getvalue())
+    return str(path)

@@ -8,6 +8,7 @@ each record's length against the .rec's size before MXNet reads a record, an ima
 the .idx and every image (pipeline/digests.py remembers the digests).
 """
 import io
+import math
 import os
 import re
 import struct
@@ -215,14 +216,13 @@ class RecordIODataset(DecodedDataset):
             if not os.path.isfile(p):
                 raise DatasetError(f"missing {p}: RecordIO needs the .rec file and its .idx index (im2rec writes both)")
         self.rec_path, self.idx_path = rec_path, idx_path
-        self.keys = self._checked_index()
-        rec = mx.recordio.MXIndexedRecordIO(idx_path, rec_path, "r")  # parses the offsets again
-        labels = []
-        for k in self.keys:
-            header, _ = self._record(rec, k)
-            lab = header.label
-            labels.append(int(lab if np.isscalar(lab) else np.asarray(lab).reshape(-1)[0]))
-        rec.close()
+        self.keys, labels = self._checked_index()
+        if None in labels:  # records written in parts: MXNet joins them
+            rec = mx.recordio.MXIndexedRecordIO(idx_path, rec_path, "r")
+            for i in [i for i, lab in enumerate(labels) if lab is None]:
+                lab = self._record(rec, self.keys[i])[0].label
+                labels[i] = int(lab if np.isscalar(lab) else np.asarray(lab).reshape(-1)[0])
+            rec.close()
         digest = files_digest([(p, os.path.basename(p)) for p in (rec_path, idx_path)],
                               desc=f"digest of {rec_path}")
         classes = num_classes or (max(labels) + 1 if labels else 0)
@@ -230,8 +230,10 @@ class RecordIODataset(DecodedDataset):
                          {"digest": digest, "file": os.path.basename(rec_path)})
 
     def _checked_index(self):
-        """The record keys of the .idx, each offset checked against the .rec's size and the record
-        header there (RecordIO's magic and a length within the file) before MXNet reads anything."""
+        """(keys, labels) of the .idx's records. Each offset is checked against the .rec's size and the
+        record header there (RecordIO's magic, a length within the file) before MXNet reads anything,
+        and the label is read from the record's IRHeader: loading reads ~36 bytes a record, not the
+        images (the label is None for a record written in parts: MXNet joins them)."""
         try:
             with open(self.idx_path) as fh:
                 index = [(int(f[0]), int(f[1])) for f in (line.split("\t") for line in fh if line.strip())]
@@ -239,6 +241,7 @@ class RecordIODataset(DecodedDataset):
             raise DatasetError(f"{self.idx_path}: not a RecordIO index (lines of <record key><tab><offset>): "
                                f"rebuild it with the .rec (im2rec)") from None
         size = os.path.getsize(self.rec_path)
+        labels = []
         with open(self.rec_path, "rb") as fh:
             for k, offset in index:
                 if not 0 <= offset <= size - 8:
@@ -246,18 +249,29 @@ class RecordIODataset(DecodedDataset):
                                        f"{os.path.basename(self.rec_path)} ({size} bytes): the .rec is truncated "
                                        f"or the index belongs to another file; {self._fix(k)}")
                 fh.seek(offset)
-                magic, lrec = struct.unpack("<II", fh.read(8))
-                length = lrec & ((1 << 29) - 1)  # of this record, or of its first part (the top 3 bits)
+                head = fh.read(8 + 28)  # record header, IRHeader (flag, label, id, id2), first label of many
+                magic, lrec = struct.unpack("<II", head[:8])
+                length, parts = lrec & ((1 << 29) - 1), lrec >> 29  # of the record, or of its first part
                 if magic != RECORD_MAGIC:
                     reason = "no RecordIO record starts there"
                 elif offset + 8 + length > size:
                     reason = f"it declares {length} bytes, past the end of the file ({size} bytes)"
-                else:
+                elif parts:
+                    labels.append(None)
                     continue
+                elif length < 24 or (head[8:12] != bytes(4) and length < 28):
+                    reason = f"{length} bytes, too short for its header"
+                else:
+                    flag, label = struct.unpack("<If", head[8:16])
+                    label = struct.unpack("<f", head[32:36])[0] if flag else label
+                    if math.isfinite(label):
+                        labels.append(int(label))
+                        continue
+                    reason = f"its label is {label}"
                 raise DatasetError(f"{self.rec_path}: record {k} (offset {offset}) cannot be read ({reason}): "
                                    f"the file is truncated or damaged, or {os.path.basename(self.idx_path)} "
                                    f"belongs to another file; {self._fix(k)}")
-        return [k for k, _ in index]
+        return [k for k, _ in index], labels
 
     def _fix(self, k):
         return (f"rebuild {os.path.basename(self.rec_path)} (im2rec), or remove record {k}'s line from "

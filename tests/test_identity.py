@@ -283,6 +283,26 @@ def test_recordio_record_longer_than_the_file_is_refused_before_mxnet_reads(tmp_
     assert reads == []
 
 
+def test_recordio_labels_are_read_from_record_headers_records_in_parts_by_mxnet(tmp_path):
+    """Loading reads each record's header, not its image; a record MXNet wrote in parts (its data
+    held RecordIO's magic number) is joined by MXNet; a label that is not a number is refused."""
+    png = png_bytes(np.zeros((4, 4, 3), np.uint8))
+    in_parts = png + bytes(-(24 + len(png)) % 4) + images.RECORD_MAGIC.to_bytes(4, "little") + b"tail"
+    rec = str(tmp_path / "h.rec")
+    w = mx.recordio.MXIndexedRecordIO(rec[:-4] + ".idx", rec, "w")
+    for i, (label, payload) in enumerate([(1.0, in_parts), (np.array([2.0, 5.0], np.float32), png), (0.0, png)]):
+        w.write_idx(i, mx.recordio.pack(mx.recordio.IRHeader(0, label, i, 0), payload))
+    w.close()
+    assert open(rec, "rb").read(8)[7] >> 5 == 1  # record 0: the first of its parts
+    ds = load_dataset("recordio", data_root=rec)
+    assert ds.labels.tolist() == [1, 2, 0] and ds[0][0].shape == (3, 4, 4)
+    offset = int(open(rec[:-4] + ".idx").read().splitlines()[2].split("\t")[1])
+    with open(rec, "r+b") as fh:
+        fh.seek(offset + 12)
+        fh.write(np.float32("nan").tobytes())
+    one_line(dataset_error(lambda: load_dataset("recordio", data_root=rec), rec, "record 2", "label is nan"))
+
+
 @pytest.mark.parametrize("shape", [(10 ** 6, 1000, 1000), (4, 5), (2,)])
 def test_npz_member_whose_header_promises_other_than_it_holds_is_refused(tmp_path, shape):
     p = write_npz_declaring(tmp_path / "d.npz", shape)  # holds 16 bytes

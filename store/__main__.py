@@ -39,6 +39,10 @@ def cmd_ls(args):
         print(json.dumps(entries, indent=1, default=str))
         return 0
     d = registry.resolve_cache_dir(args.cache_dir)
+    others = [e for e in entries if e["state"] == registry.NOT_A_CACHE]
+    entries = [e for e in entries if e["state"] != registry.NOT_A_CACHE]
+    for e in others:
+        print(f"not a cache, left alone: {e['path']} ({e['error']})", file=sys.stderr)
     if not entries:
         print(f"no caches in {d}")
         return 0
@@ -49,6 +53,9 @@ def cmd_ls(args):
              "created": _when(e.get("created")), "last used": _when(e.get("last_used"))} for e in entries]
     print(f"caches in {d}:")
     print(_table(rows, list(rows[0])))
+    for e in entries:
+        if e.get("error"):
+            print(f"{e['name']}: {e['error']}")
     return 0
 
 
@@ -61,18 +68,21 @@ def _existing(path):
 
 
 def cmd_inspect(args):
-    from .segment import open_final, read_manifest, read_meta
+    from .housekeeping import final_spec, parts_spec
+    from .segment import open_final
     base = _existing(args.path)
     fin, parts = registry.final_path(base), registry.parts_path(base)
+    entry = registry.info(base)
+    if entry["state"] in ("damaged", registry.NOT_A_CACHE):
+        raise StoreError(f"{entry['path']}: {entry['error']}" if entry["path"] not in entry["error"]
+                         else entry["error"])
     if os.path.exists(fin):
+        _, meta = final_spec(fin, os.path.basename(base))
         with open_final(fin) as f:
-            meta = read_meta(f, fin)
             meta["datasets"] = {k: {"shape": list(f[k].shape), "dtype": str(f[k].dtype)} for k in f.keys()}
-    elif os.path.isdir(parts):
-        meta = read_manifest(parts) or {}
     else:
-        raise StoreError(f"no cache at {base}: pass a path that `kdcache ls` shows")
-    meta.update({k: v for k, v in registry.info(base).items() if k not in meta})
+        _, meta = parts_spec(parts, os.path.basename(base))
+    meta.update({k: v for k, v in entry.items() if k not in meta})
     if args.json:
         print(json.dumps(meta, indent=1, sort_keys=True, default=str))
     else:
@@ -96,16 +106,21 @@ def cmd_verify(args):
 
 def cmd_gc(args):
     from .ring import cleanup_stale
+    kept = []
     victims = registry.gc(args.cache_dir, older_than_days=args.older_than, max_bytes=args.max_size,
-                          incomplete=not args.keep_incomplete, dry_run=args.dry_run, min_age_s=args.min_age)
+                          incomplete=not args.keep_incomplete, dry_run=args.dry_run, min_age_s=args.min_age,
+                          kept=kept)
     rings = cleanup_stale(dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
     if args.json:
         print(json.dumps({"dry_run": args.dry_run, "caches": [{"path": p, "reason": r, "bytes": b}
-                                                              for p, r, b in victims], "rings": rings}))
+                                                              for p, r, b in victims], "rings": rings,
+                          "kept": [{"path": p, "why": w} for p, w in kept]}))
         return 0
     for p, r, b in victims:
         print(f"{verb} {p} ({r}, {_size(b)})")
+    for p, w in kept:
+        print(f"kept {p}: {w}")
     for name in rings:
         print(f"{verb} stale shared-memory ring {name}")
     if not victims and not rings:

@@ -1,15 +1,38 @@
 """Compaction: the producers' segments, once they cover every key, become one key-ordered file `P.h5`."""
 import fcntl
 import os
-import shutil
 
 import h5py
 import numpy as np
 
 from . import schema
+from .errors import StoreError
 from .osutil import available_memory, fs_error, fsync_dir
-from .registry import base_path, final_path, parts_path
-from .segment import committed_rows, list_segments, open_swmr, read_segment_rows, scan_done
+from .paths import COMPACT_TMP, base_path, compact_tmp, discard, final_path, parts_path
+from .segment import committed_rows, count_done, list_segments, open_swmr, read_segment_rows
+
+
+def step(name):
+    """A named step of compaction: "locked", "writing" (after each block of the final file),
+    "written" (synced, not yet renamed), "renamed" (final in place, parts still there), "removing" (parts renamed aside, not deleted). Does
+    nothing; the crash tests replace it to kill the process at exactly that step."""
+
+
+def remove_stale_tmp(final):
+    """Temporary files of compactions that died before their rename. Called under the compaction
+    lock, where no other compaction of this cache can be writing one."""
+    d, name = os.path.split(final)
+    try:
+        names = os.listdir(d or ".")
+    except OSError:
+        return
+    for n in names:
+        m = COMPACT_TMP.match(n)
+        if m and m.group(1) + schema.FINAL_SUFFIX == name:
+            try:
+                os.unlink(os.path.join(d, n))
+            except OSError:
+                pass
 
 
 def finalize(path, spec, *, memory_budget=None):
@@ -20,12 +43,18 @@ def finalize(path, spec, *, memory_budget=None):
     if os.path.exists(final):
         return True
     codec = spec.make_codec()
-    with open(os.path.join(parts, schema.COMPACT_LOCK), "a+") as lk:
+    try:
+        lk = open(os.path.join(parts, schema.COMPACT_LOCK), "a+")
+    except FileNotFoundError:  # another process finished it and removed the segments just now
+        return os.path.exists(final)
+    with lk:
         fcntl.flock(lk.fileno(), fcntl.LOCK_EX)
         if os.path.exists(final):
             return True
-        if not scan_done(parts, spec).all():
+        remove_stale_tmp(final)
+        if count_done(parts, spec) < spec.num_keys:
             return False
+        step("locked")
         n, v, nk = spec.num_samples, spec.views, spec.num_keys
         need = nk * codec.bytes_per_row
         budget = memory_budget if memory_budget is not None else available_memory() // 2
@@ -38,18 +67,18 @@ def finalize(path, spec, *, memory_budget=None):
                 tables[name] = np.memmap(p, dtype=dtype, mode="w+", shape=(nk,) + tuple(shape))
                 spill.append(p)
         filled = np.zeros(nk, dtype=bool)
-        step = max(1, (64 << 20) // max(1, codec.bytes_per_row))
+        block = max(1, (64 << 20) // max(1, codec.bytes_per_row))
         for seg in list_segments(parts):
             with open_swmr(seg) as f:
-                rows, _ = committed_rows(f)
-                for a in range(0, rows, step):
-                    keys, fields = read_segment_rows(f, codec, a, min(rows, a + step))
+                rows, _ = committed_rows(f, spec)
+                for a in range(0, rows, block):
+                    keys, fields = read_segment_rows(f, codec, a, min(rows, a + block), nk)
                     new = ~filled[keys]  # duplicates (overlapping shard layouts) hold equal rows
                     keys = keys[new]
                     for name in tables:
                         tables[name][keys] = fields[name][new]
                     filled[keys] = True
-        tmp = f"{final}.tmp-{os.getpid()}"
+        tmp = compact_tmp(final)
         try:
             with h5py.File(tmp, "w") as out:
                 for k, val in spec.meta().items():
@@ -59,14 +88,17 @@ def finalize(path, spec, *, memory_budget=None):
                 for name, shape, dtype in codec.fields:
                     d = out.create_dataset(name, shape=(n, v) + tuple(shape), dtype=dtype)
                     src = tables[name].reshape((n, v) + tuple(shape))
-                    rstep = max(1, step // v)
+                    rstep = max(1, block // v)
                     for a in range(0, n, rstep):
                         d[a:a + rstep] = src[a:a + rstep]
+                        step("writing")
                 out.create_dataset(schema.DONE, data=np.ones((n, v), dtype=np.uint8))
             with open(tmp, "rb+") as fh:
                 os.fsync(fh.fileno())
+            step("written")
             os.replace(tmp, final)
             fsync_dir(os.path.dirname(final) or ".")
+            step("renamed")
         except OSError as e:
             try:
                 os.unlink(tmp)
@@ -80,5 +112,14 @@ def finalize(path, spec, *, memory_budget=None):
                     os.unlink(p)
                 except OSError:
                     pass
-    shutil.rmtree(parts, ignore_errors=True)
+    remove_parts(parts)
     return True
+
+
+def remove_parts(parts):
+    """The segments of a finished cache, once its file is in place: renamed aside, then deleted
+    (a producer that locks a shard of it afterwards sees that its folder is gone)."""
+    try:
+        discard(parts, between=lambda: step("removing"))
+    except (OSError, StoreError):
+        pass  # kept for `gc`: the finished file is what readers use

@@ -12,21 +12,34 @@ import numpy as np
 from . import schema
 from .errors import (CacheNotFoundError, FingerprintMismatchError,
                      MissingTargetsError, ProducerGoneError)
-from .registry import base_path, final_path, parts_path, touch_used
+from .housekeeping import final_spec, parts_spec, settle
 from .osutil import available_memory
-from .segment import (committed_rows, list_segments, lock_holders, open_final, open_swmr,
-                      read_manifest, read_meta, read_segment_rows)
-from .spec import CacheSpec
+from .registry import base_path, final_path, parts_path, touch_used
+from .segment import committed_rows, list_segments, lock_holders, open_final, open_swmr, read_segment_rows
+from .validate import check_committed, check_keys, check_scale, check_segment
 
 
 class _Segment:
-    __slots__ = ("path", "file", "seen", "closed")
+    """One producer's segment, checked when opened; its committed count is checked on every change."""
+    __slots__ = ("path", "file", "seen", "closed", "capacity", "row_bytes")
 
-    def __init__(self, path):
+    def __init__(self, path, spec):
         self.path = path
         self.file = open_swmr(path)
+        try:
+            self.capacity = check_segment(self.file, path, spec)
+        except BaseException:
+            self.file.close()
+            raise
+        self.row_bytes = spec.make_codec().bytes_per_row
         self.seen = 0
         self.closed = False
+
+    def committed(self):
+        rows, closed = committed_rows(self.file)
+        if rows != self.seen:
+            check_committed(self.file, rows, self.capacity, self.row_bytes)
+        return rows, closed
 
 
 class CacheReader:
@@ -51,23 +64,23 @@ class CacheReader:
         self.stall_s = 0.0
         self._segs = {}
         self._file = None
+        settle(self.base)  # a crash may have left every key committed and the compaction undone
+        name = os.path.basename(self.base)
         if os.path.exists(self.final):
-            f = open_final(self.final)
-            meta = read_meta(f, self.final)
-            f.close()
+            self.spec, meta = final_spec(self.final, name)
         elif os.path.isdir(self.parts):
-            meta = read_manifest(self.parts)
-            if meta is None:
+            if not os.path.exists(os.path.join(self.parts, schema.MANIFEST)):
                 raise CacheNotFoundError(f"{self.parts} has no manifest yet: start the producer first "
                                          f"(python -m cache_builder ... or make cache-online)")
+            self.spec, meta = parts_spec(self.parts, name)
+            check_scale(self.spec, self.parts)
         else:
             raise CacheNotFoundError(
                 f"no cache at {self.base} (neither {os.path.basename(self.final)} nor "
                 f"{os.path.basename(self.parts)}): build it with `make cache` / `python -m cache_builder`, "
                 f"or pass the right --cache-dir")
         self.meta = meta
-        self.spec = CacheSpec.from_meta(meta)
-        self.fingerprint = meta[schema.A_FINGERPRINT]
+        self.fingerprint = self.spec.fingerprint
         want = spec.fingerprint if spec is not None else fingerprint
         if want is not None and want != self.fingerprint:
             raise FingerprintMismatchError(
@@ -104,8 +117,11 @@ class CacheReader:
         for s in self._segs.values():
             s.file.close()
         self._segs = {}
+        own, _ = final_spec(self.final, os.path.basename(self.base))
+        if own.fingerprint != self.fingerprint:
+            raise FingerprintMismatchError(f"{self.final} (compacted while this reader was open) holds the cache "
+                                           f"{own.fingerprint}, not {self.fingerprint}: it was replaced; remove it")
         f = open_final(self.final)
-        read_meta(f, self.final)
         nk = self.spec.num_keys
         if self.in_ram:
             self._tables = {}
@@ -133,7 +149,7 @@ class CacheReader:
         for p in list_segments(self.parts):
             if p not in self._segs:
                 try:
-                    self._segs[p] = _Segment(p)
+                    self._segs[p] = _Segment(p, self.spec)
                 except Exception:
                     if os.path.exists(self.final):  # compacted under us
                         return self.refresh()
@@ -143,16 +159,17 @@ class CacheReader:
         for s in self._segs.values():
             if s.closed:
                 continue
-            rows, closed = committed_rows(s.file)
+            rows, closed = s.committed()
             if rows > s.seen:
                 if self.in_ram:
-                    keys, fields = read_segment_rows(s.file, self.codec, s.seen, rows)
+                    keys, fields = read_segment_rows(s.file, self.codec, s.seen, rows, self.spec.num_keys)
                     for name, arr in fields.items():
                         self._tables[name][keys] = arr
                 else:
                     ks = s.file[schema.SEG_KEYS]
                     ks.refresh()
                     keys = ks[s.seen:rows]
+                    check_keys(keys, self.spec.num_keys, s.path)
                     fresh = ~self._done[keys]
                     self._loc_seg[keys[fresh]] = self._seg_list.index(s)
                     self._loc_row[keys[fresh]] = np.arange(s.seen, rows)[fresh]

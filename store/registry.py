@@ -1,51 +1,20 @@
-"""The cache directory: where caches live, how a fingerprint names one, and ls/inspect/verify/gc."""
+"""The cache directory: what is in it (ls, inspect) and what may go (gc); only kdcache's caches are touched."""
 import os
-import shutil
 import time
 
-import numpy as np
+import h5py
 
 from . import schema
 from .errors import StoreError
 from .fingerprint import is_fingerprint
+from .housekeeping import final_spec, locked, parts_spec, remove_stale, settle, stale_files
+from .paths import (DEFAULT_DIR, ENV_DIR, OWN_PART, base_path, discard, exists, final_path,  # noqa: F401
+                    parts_path, path_for, resolve_cache_dir)
+from .segment import count_done, lock_holders
+from .validate import looks_like_hdf5
+from .verify import verify  # noqa: F401 (python -m store verify)
 
-DEFAULT_DIR = "caches"
-ENV_DIR = "KDCACHE_DIR"
-
-
-def resolve_cache_dir(cache_dir=None):
-    """--cache-dir, else $KDCACHE_DIR, else ./caches."""
-    return os.path.abspath(cache_dir or os.environ.get(ENV_DIR) or DEFAULT_DIR)
-
-
-def base_path(path):
-    """A cache's base path from any of P, P.h5 or P.parts (trailing slashes allowed)."""
-    p = os.fspath(path).rstrip("/")
-    for suffix in (schema.FINAL_SUFFIX, schema.PARTS_SUFFIX):
-        if p.endswith(suffix):
-            return p[: -len(suffix)]
-    return p
-
-
-def final_path(path):
-    return base_path(path) + schema.FINAL_SUFFIX
-
-
-def parts_path(path):
-    return base_path(path) + schema.PARTS_SUFFIX
-
-
-def path_for(cache_dir, fp):
-    """Base path of the cache named by fingerprint `fp`; refuses names that could leave the directory."""
-    if not is_fingerprint(fp):
-        raise StoreError(f"{fp!r} is not a cache fingerprint (8-64 lowercase hex digits): pass the "
-                         f"fingerprint `python -m store ls` shows")
-    return os.path.join(resolve_cache_dir(cache_dir), fp)
-
-
-def exists(path):
-    return os.path.exists(final_path(path)) or os.path.isdir(parts_path(path))
-
+NOT_A_CACHE = "not a cache"
 
 def touch_used(path):
     """Record 'last used' as the finished file's access time (explicitly set, whatever the mount)."""
@@ -108,7 +77,8 @@ def _size(path):
 
 
 def cache_bases(cache_dir):
-    """Base paths of every cache (finished or in progress) in the directory."""
+    """Base paths of every entry named like a cache (P.h5 or P.parts) in the directory; `info` tells
+    which of them are kdcache's."""
     d = resolve_cache_dir(cache_dir)
     if not os.path.isdir(d):
         return []
@@ -120,48 +90,92 @@ def cache_bases(cache_dir):
     return sorted(bases)
 
 
-def info(path):
-    """Summary of one cache: fingerprint, inputs, state, percent done, size, created, last used."""
-    from .segment import (committed_rows, list_segments, lock_holders, open_final, open_swmr,
-                          read_manifest, read_meta)
+def _not_ours(base):
+    """Why the entry at `base` is not a kdcache cache, or None when it is one (sound or not)."""
+    name, fin, parts = os.path.basename(base), final_path(base), parts_path(base)
+    if not is_fingerprint(name):
+        return "its name is not a cache fingerprint"
+    if os.path.lexists(fin):
+        if os.path.islink(fin) or not os.path.isfile(fin):
+            return "not a regular file"
+        if not looks_like_hdf5(fin):
+            return "not an HDF5 file"
+        try:
+            with h5py.File(fin, "r") as f:
+                if schema.A_FORMAT not in f.attrs:
+                    return "an HDF5 file without kdcache metadata"
+        except Exception:
+            return "an HDF5 file that cannot be opened (remove it by hand if it is a damaged cache)"
+        return None
+    if os.path.islink(parts) or not os.path.isdir(parts):
+        return "not a folder"
+    names = os.listdir(parts)
+    if schema.MANIFEST not in names and any(not OWN_PART.match(n) for n in names):
+        return "a folder without a kdcache manifest"
+    return None
+
+
+def info(path, *, tidy=True, held=False):
+    """Summary of one entry: fingerprint, inputs, state, percent done, size, created, last used.
+
+    States: complete, producing, committed (every key committed, compaction pending), incomplete,
+    damaged (kdcache's, but unusable), and "not a cache" (never touched). With `tidy`, what a crash
+    left is finished first (settle). `held`: the caller holds every lock of the cache (so no producer
+    is alive)."""
     base = base_path(path)
     fin, parts = final_path(base), parts_path(base)
-    out = {"path": fin if os.path.exists(fin) else parts, "name": os.path.basename(base)}
+    name = os.path.basename(base)
+    try:
+        st0 = os.stat(fin)  # before reading: looking at a cache is not using it
+    except OSError:
+        st0 = None
+    try:
+        return _info(base, fin, parts, name, tidy, held, st0)
+    finally:
+        if st0 is not None:
+            _restore_atime(fin, st0)
+
+
+def _info(base, fin, parts, name, tidy, held, st0):
+    why = _not_ours(base)
+    if why is not None:
+        return {"path": fin if os.path.lexists(fin) else parts, "name": name, "state": NOT_A_CACHE,
+                "error": why, "size": _size(fin) + _size(parts), "done": 0.0, "last_used": None}
+    if tidy:
+        settle(base)
+    out = {"path": fin if os.path.exists(fin) else parts, "name": name}
     try:
         if os.path.exists(fin):
-            st = os.stat(fin)  # before reading: looking at a cache is not using it
-            with open_final(fin) as f:
-                meta = read_meta(f, fin)
-            _restore_atime(fin, st)
-            out.update(state="complete", done=1.0, size=st.st_size, last_used=st.st_atime)
+            st = os.stat(fin)
+            spec, meta = final_spec(fin, name)
+            last_used = st0.st_atime if st0 is not None and os.path.samestat(st0, st) else st.st_atime
+            if int(meta.get(schema.A_COMPLETE, 0)) != 1:
+                raise StoreError(f"{fin}: the complete flag is not set")
+            out.update(state="complete", done=1.0, size=st.st_size, last_used=last_used)
+            if os.path.isdir(parts):
+                out["segments_left"] = parts
         else:
-            meta = read_manifest(parts)
-            if meta is None:
-                raise StoreError(f"{parts}: no manifest")
-            nk = int(meta[schema.A_NUM_SAMPLES]) * int(meta[schema.A_VIEWS])
-            done = np.zeros(nk, dtype=bool)
-            for seg in list_segments(parts):
-                with open_swmr(seg, retry_s=0.5) as f:
-                    rows, _ = committed_rows(f)
-                    k = f[schema.SEG_KEYS]
-                    k.refresh()
-                    done[k[:rows]] = True
-            alive = lock_holders(parts)
-            st = os.stat(parts)
-            out.update(state="producing" if alive else "incomplete", done=float(done.mean()) if nk else 0.0,
-                       size=_size(parts), last_used=st.st_mtime,
-                       producers=[h.get("pid") for _, h in alive])
-    except StoreError as e:
-        out.update(state="damaged", error=str(e), size=_size(fin) + _size(parts), done=0.0,
-                   last_used=os.stat(fin if os.path.exists(fin) else parts).st_mtime)
+            spec, meta = parts_spec(parts, name)
+            done = count_done(parts, spec)
+            alive = [] if held else lock_holders(parts)
+            state = "producing" if alive else "committed" if done == spec.num_keys else "incomplete"
+            out.update(state=state, done=done / spec.num_keys, size=_size(parts),
+                       last_used=os.stat(parts).st_mtime, producers=[h.get("pid") for _, h in alive])
+    except (StoreError, OSError) as e:
+        where = fin if os.path.exists(fin) else parts
+        try:
+            when = os.stat(where).st_mtime
+        except OSError:
+            when = None
+        out.update(state="damaged", error=str(e).splitlines()[0] if str(e) else type(e).__name__,
+                   size=_size(fin) + _size(parts), done=0.0, last_used=when)
         return out
     inputs = meta.get("inputs") or {}
     out.update(
-        fingerprint=meta.get(schema.A_FINGERPRINT), format_version=int(meta[schema.A_FORMAT]),
+        fingerprint=spec.fingerprint, format_version=int(meta[schema.A_FORMAT]),
         teacher=_describe(inputs.get("teacher")), dataset=_describe(inputs.get("dataset")),
-        num_samples=int(meta[schema.A_NUM_SAMPLES]), views=int(meta[schema.A_VIEWS]),
-        num_classes=int(meta[schema.A_NUM_CLASSES]), codec=meta[schema.A_CODEC], dtype=meta[schema.A_DTYPE],
-        created=meta.get(schema.A_CREATED), tool_version=meta.get(schema.A_TOOL_VERSION))
+        num_samples=spec.num_samples, views=spec.views, num_classes=spec.num_classes, codec=spec.codec,
+        dtype=spec.dtype, created=meta.get(schema.A_CREATED), tool_version=meta.get(schema.A_TOOL_VERSION))
     return out
 
 
@@ -175,146 +189,69 @@ def _describe(x):
 
 
 def gc(cache_dir=None, *, older_than_days=None, max_bytes=None, incomplete=True, damaged=True,
-       dry_run=False, min_age_s=60.0):
-    """Remove caches: incomplete ones no producer is writing (idle for min_age_s), damaged ones,
-    unused ones (last used more than older_than_days ago) and, with max_bytes, the least recently
-    used finished caches until the directory fits. Returns [(path, reason, bytes)]."""
+       dry_run=False, min_age_s=60.0, kept=None):
+    """Remove kdcache caches: incomplete ones no producer is writing (idle for min_age_s), damaged
+    ones, unused ones (last used more than older_than_days ago) and, with max_bytes, the least
+    recently used finished caches until the directory fits; and files dead kdcache processes left.
+    Never an entry that is not a kdcache cache, one a live process holds a lock of, or one whose
+    every key is committed. Returns [(path, reason, bytes)]; `kept` (a list) receives
+    [(path, why)] of what was chosen but left."""
     now = time.time()
-    entries = [info(b) for b in cache_bases(cache_dir)]
+    d = resolve_cache_dir(cache_dir)
+    entries = [info(b) for b in cache_bases(d)]
     victims = []
     for e in entries:
-        base = os.path.join(resolve_cache_dir(cache_dir), e["name"])
-        if e["state"] == "producing":
-            continue
+        base = os.path.join(d, e["name"])
+        age = now - e["last_used"] if e.get("last_used") is not None else float("inf")
         if e["state"] == "damaged" and damaged:
-            victims.append((base, "damaged", e["size"]))
-        elif e["state"] == "incomplete" and incomplete and now - e["last_used"] >= min_age_s:
-            victims.append((base, "incomplete", e["size"]))
-        elif e["state"] == "complete" and older_than_days is not None \
-                and now - e["last_used"] > older_than_days * 86400:
-            victims.append((base, f"unused for {(now - e['last_used']) / 86400:.1f} days", e["size"]))
+            victims.append((base, "damaged", e["size"], e["state"]))
+        elif e["state"] == "incomplete" and incomplete and age >= min_age_s:
+            victims.append((base, "incomplete", e["size"], e["state"]))
+        elif e["state"] == "complete" and older_than_days is not None and age > older_than_days * 86400:
+            victims.append((base, f"unused for {age / 86400:.1f} days", e["size"], e["state"]))
     if max_bytes is not None:
         chosen = {v[0] for v in victims}
-        left = [e for e in entries if e["state"] == "complete"
-                and os.path.join(resolve_cache_dir(cache_dir), e["name"]) not in chosen]
-        total = sum(e["size"] for e in entries) - sum(v[2] for v in victims)
+        left = [e for e in entries if e["state"] == "complete" and os.path.join(d, e["name"]) not in chosen]
+        total = sum(e["size"] for e in entries if e["state"] != NOT_A_CACHE) - sum(v[2] for v in victims)
         for e in sorted(left, key=lambda e: e["last_used"]):
             if total <= max_bytes:
                 break
-            victims.append((os.path.join(resolve_cache_dir(cache_dir), e["name"]), "over the size limit", e["size"]))
+            victims.append((os.path.join(d, e["name"]), "over the size limit", e["size"], "complete"))
             total -= e["size"]
-    if not dry_run:
-        for base, _, _ in victims:
-            remove(base)
-    return victims
+    stale = [(p, why, _size(p)) for p, why in stale_files(d, min_age_s=min_age_s)]
+    if dry_run:
+        return [v[:3] for v in victims] + stale
+    removed = []
+    for base, reason, size, state in victims:
+        why = remove(base, expect=state)
+        if why is None:
+            removed.append((base, reason, size))
+        elif kept is not None:
+            kept.append((base, why))
+    for p, why, size in stale:
+        remove_stale(p)
+        removed.append((p, why, size))
+    return removed
 
 
-def remove(path):
+def remove(path, *, expect=None):
+    """Remove one kdcache cache (its finished file and its segments) under its locks, taken without
+    blocking: renamed aside, then deleted. With `expect`, only while its state is still that.
+    Returns None when removed, else why it was left."""
     base = base_path(path)
-    try:
-        os.unlink(final_path(base))
-    except FileNotFoundError:
-        pass
-    shutil.rmtree(parts_path(base), ignore_errors=True)
-
-
-def verify(path, *, block_rows=65536):
-    """Check a cache: schema, flags, fingerprint, finite values, key ranges, completeness.
-
-    Returns (report dict, [problems]); the cache is sound exactly when problems is empty.
-    """
-    import json as _json
-
-    from .errors import StoreError as _SE
-    from .segment import committed_rows, list_segments, open_final, open_swmr, read_manifest, read_meta
-    from .spec import CacheSpec
-    base = base_path(path)
-    fin, parts = final_path(base), parts_path(base)
-    problems = []
-    report = {"path": fin if os.path.exists(fin) else parts}
-
-    def check_meta(meta, where):
+    why = _not_ours(base)
+    if why is not None:
+        return why
+    with locked(parts_path(base)) as held:
+        if not held:
+            return "a live process holds one of its locks"
+        if expect is not None:
+            state = info(base, tidy=False, held=True)["state"]
+            if state != expect:
+                return f"it is {state} now"
         try:
-            spec = CacheSpec.from_meta(meta)
-        except (_SE, KeyError, ValueError, TypeError) as e:
-            problems.append(f"{where}: metadata incomplete or invalid ({e})")
-            return None
-        if spec.fingerprint != meta.get(schema.A_FINGERPRINT):
-            problems.append(f"{where}: fingerprint attribute {meta.get(schema.A_FINGERPRINT)} does not match "
-                            f"the inputs it records ({spec.fingerprint}): metadata was altered")
-        if is_fingerprint(os.path.basename(base)) and os.path.basename(base) != meta.get(schema.A_FINGERPRINT):
-            problems.append(f"{where}: file is named {os.path.basename(base)} but holds fingerprint "
-                            f"{meta.get(schema.A_FINGERPRINT)}")
-        return spec
-
-    def check_rows(fields, codec, where, c):
-        for name, arr in fields.items():
-            if arr.dtype.kind == "f" and not np.isfinite(arr).all():
-                problems.append(f"{where}: dataset {name} holds NaN/Inf values")
-        if schema.TOPK_INDICES in fields:
-            ix = fields[schema.TOPK_INDICES]
-            if ix.size and (ix.min() < 0 or ix.max() >= c):
-                problems.append(f"{where}: {schema.TOPK_INDICES} has class indices outside [0, {c})")
-
-    try:
-        if os.path.exists(fin):
-            with open_final(fin) as f:
-                meta = read_meta(f, fin)
-                spec = check_meta(meta, fin)
-                if spec is None:
-                    return report, problems
-                codec = spec.make_codec()
-                n, v = spec.num_samples, spec.views
-                report.update(fingerprint=spec.fingerprint, num_keys=spec.num_keys, kind=meta.get(schema.A_KIND))
-                if int(meta.get(schema.A_COMPLETE, 0)) != 1:
-                    problems.append(f"{fin}: complete flag is not set")
-                for name, shape, dtype in codec.fields + [(schema.DONE, (), np.dtype(np.uint8))]:
-                    if name not in f:
-                        problems.append(f"{fin}: dataset {name} is missing")
-                    elif f[name].shape != (n, v) + tuple(shape) or f[name].dtype != dtype:
-                        problems.append(f"{fin}: dataset {name} is {f[name].shape} {f[name].dtype}, expected "
-                                        f"{(n, v) + tuple(shape)} {dtype}")
-                if problems:
-                    return report, problems
-                if not np.all(f[schema.DONE][...] == 1):
-                    problems.append(f"{fin}: some rows are not marked done")
-                step = max(1, block_rows // v)
-                for a in range(0, n, step):
-                    check_rows({name: f[name][a:a + step] for name, _, _ in codec.fields}, codec,
-                               f"{fin} samples [{a}, {min(n, a + step)})", spec.num_classes)
-                report["done"] = 1.0
-        elif os.path.isdir(parts):
-            meta = read_manifest(parts)
-            if meta is None:
-                problems.append(f"{parts}: no manifest")
-                return report, problems
-            spec = check_meta(meta, parts)
-            if spec is None:
-                return report, problems
-            codec = spec.make_codec()
-            done = np.zeros(spec.num_keys, dtype=bool)
-            for seg in list_segments(parts):
-                with open_swmr(seg, retry_s=1.0) as f:
-                    sm = read_meta(f, seg)
-                    if sm.get(schema.A_FINGERPRINT) != spec.fingerprint:
-                        problems.append(f"{seg}: belongs to fingerprint {sm.get(schema.A_FINGERPRINT)}")
-                        continue
-                    rows, _ = committed_rows(f)
-                    from .segment import read_segment_rows
-                    for a in range(0, rows, block_rows):
-                        keys, fields = read_segment_rows(f, codec, a, min(rows, a + block_rows))
-                        if keys.size and (keys.min() < 0 or keys.max() >= spec.num_keys):
-                            problems.append(f"{seg}: keys outside [0, {spec.num_keys})")
-                            continue
-                        check_rows(fields, codec, f"{seg} rows [{a}, {a + keys.size})", spec.num_classes)
-                        done[keys] = True
-            report.update(fingerprint=spec.fingerprint, num_keys=spec.num_keys, done=float(done.mean()))
-            problems.append(f"{parts}: incomplete: {int((~done).sum())} of {spec.num_keys} keys not done yet "
-                            f"(run the producer to finish it)")
-        else:
-            problems.append(f"no cache at {base}")
-    except _SE as e:
-        problems.append(str(e))
-    except (OSError, KeyError, ValueError, _json.JSONDecodeError) as e:
-        problems.append(f"{report['path']}: unreadable ({type(e).__name__}: {e})")
-    return report, problems
+            for p in (final_path(base), parts_path(base)):
+                discard(p)
+        except (StoreError, OSError) as e:
+            return str(e).splitlines()[0]
+    return None

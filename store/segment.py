@@ -12,7 +12,8 @@ import h5py
 import numpy as np
 
 from . import schema
-from .errors import FingerprintMismatchError, UnsupportedFormatError
+from .errors import UnsupportedFormatError
+from .validate import check_committed, check_keys, check_segment, read_meta  # noqa: F401 (read_meta: re-exported)
 
 HOST = socket.gethostname()
 
@@ -103,29 +104,28 @@ def open_final(path):
             f"Remove it (python -m store gc --damaged, or rm) and rebuild the cache") from None
 
 
-def read_meta(f, where):
-    """Metadata of an open cache file or segment, with its format version checked."""
-    if schema.A_FORMAT not in f.attrs:
-        raise UnsupportedFormatError(
-            f"{where}: an HDF5 file without kdcache metadata ({schema.A_FORMAT} missing): it is not a "
-            f"kdcache cache. Move it out of the cache directory or pass the right path")
-    schema.check_format_version(f.attrs[schema.A_FORMAT], where)
-    return schema.meta_from_attrs(f.attrs)
-
-
-def committed_rows(f):
-    """(rows committed, closed flag) of a segment, re-read from disk."""
+def committed_rows(f, spec=None):
+    """(rows committed, closed flag) of a segment, re-read from disk. With the cache's `spec`, the
+    segment is checked first (validate.check_segment) and so is the count against its room and size."""
+    if spec is not None:
+        capacity = check_segment(f, f.filename, spec)
     st = f[schema.SEG_STATE]
     st.refresh()
     s = st[...]
-    return int(s[schema.STATE_ROWS]), bool(s[schema.STATE_CLOSED])
+    rows = int(s[schema.STATE_ROWS])
+    if spec is not None:
+        check_committed(f, rows, capacity, spec.make_codec().bytes_per_row)
+    return rows, bool(s[schema.STATE_CLOSED])
 
 
-def read_segment_rows(f, codec, start, stop):
-    """Keys and encoded fields of committed rows [start, stop) of a segment."""
+def read_segment_rows(f, codec, start, stop, num_keys=None):
+    """Keys and encoded fields of committed rows [start, stop) of a segment; with `num_keys`,
+    keys outside the cache's key space are refused (a key indexes the reader's tables)."""
     ks = f[schema.SEG_KEYS]
     ks.refresh()
     keys = ks[start:stop]
+    if num_keys is not None:
+        check_keys(keys, num_keys, f.filename)
     fields = {}
     for name, _, _ in codec.fields:
         d = f[name]
@@ -134,20 +134,30 @@ def read_segment_rows(f, codec, start, stop):
     return keys, fields
 
 
+def committed_keys(parts_dir, spec):
+    """Every committed key of every segment (crashed segments included), each segment checked:
+    one array, as long as the rows on disk (never sized by what a manifest declares)."""
+    out = []
+    for seg in list_segments(parts_dir):
+        with open_swmr(seg) as f:
+            rows, _ = committed_rows(f, spec)
+            ks = f[schema.SEG_KEYS]
+            ks.refresh()
+            keys = ks[:rows]
+            check_keys(keys, spec.num_keys, seg)
+            out.append(keys)
+    return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+
+
+def count_done(parts_dir, spec):
+    """How many distinct keys the segments have committed."""
+    return int(np.unique(committed_keys(parts_dir, spec)).size)
+
+
 def scan_done(parts_dir, spec):
     """Boolean mask [num_keys] of keys some segment has committed (crashed segments included)."""
     done = np.zeros(spec.num_keys, dtype=bool)
-    for seg in list_segments(parts_dir):
-        with open_swmr(seg) as f:
-            meta = read_meta(f, seg)
-            if meta.get(schema.A_FINGERPRINT) != spec.fingerprint:
-                raise FingerprintMismatchError(
-                    f"{seg} belongs to fingerprint {meta.get(schema.A_FINGERPRINT)}, not {spec.fingerprint}: "
-                    f"it was copied into the wrong cache; move it away")
-            rows, _ = committed_rows(f)
-            ks = f[schema.SEG_KEYS]
-            ks.refresh()
-            done[ks[:rows]] = True
+    done[committed_keys(parts_dir, spec)] = True
     return done
 
 

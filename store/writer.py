@@ -21,24 +21,23 @@ from .errors import (BadInputError, FingerprintMismatchError, StoreError, Unsupp
                      WriterBusyError)
 from .fingerprint import is_fingerprint
 from .osutil import fs_error, stderr_silenced
-from .registry import base_path, final_path, parts_path
-from .segment import (HOST, create_segment, open_final, quiet_h5py_dealloc_errors, read_manifest, read_meta,
+from .housekeeping import final_spec, settle
+from .paths import base_path, final_path, parts_path
+from .segment import (HOST, create_segment, quiet_h5py_dealloc_errors, read_manifest,
                       scan_done, write_json_atomic)
 
 
 def check_final_matches(path, spec):
     """Raise unless `path` is a sound finished cache with spec's fingerprint."""
-    with open_final(path) as f:
-        meta = read_meta(f, path)
-        fp = meta.get(schema.A_FINGERPRINT)
-        if fp != spec.fingerprint:
-            raise FingerprintMismatchError(
-                f"{path} was built for fingerprint {fp}, these inputs give {spec.fingerprint} "
-                f"(another teacher, data set, view count or codec): pass another --cache-dir or "
-                f"cache path, or remove that file to rebuild")
-        if int(meta.get(schema.A_COMPLETE, 0)) != 1:
-            raise UnsupportedFormatError(f"{path}: finished cache without its complete flag: it is "
-                                         f"damaged; remove it and rebuild")
+    own, meta = final_spec(path, None)
+    if own.fingerprint != spec.fingerprint:
+        raise FingerprintMismatchError(
+            f"{path} was built for fingerprint {own.fingerprint}, these inputs give {spec.fingerprint} "
+            f"(another teacher, data set, view count or codec): pass another --cache-dir or "
+            f"cache path, or remove that file to rebuild")
+    if meta.get(schema.A_COMPLETE) != 1:
+        raise UnsupportedFormatError(f"{path}: finished cache without its complete flag: it is "
+                                     f"damaged; remove it and rebuild")
 
 
 class CacheWriter:
@@ -75,13 +74,19 @@ class CacheWriter:
             raise FingerprintMismatchError(
                 f"cache path {self.base} is named for fingerprint {name}, these inputs give {spec.fingerprint}: "
                 f"leave the path to the cache directory (<dir>/<fingerprint>) or pass the matching inputs")
-        if os.path.exists(self.final):
-            check_final_matches(self.final, spec)
-            self.complete = True
-            self._todo = np.zeros(spec.num_keys, dtype=bool)
-            return
-        self._prepare_dir()
-        self._lock(lock_wait_s)
+        settle(self.base)  # finish what a crash left: a compaction, or segments beside the file
+        for _ in range(10):
+            if os.path.exists(self.final):
+                check_final_matches(self.final, spec)
+                self.complete = True
+                self._todo = np.zeros(spec.num_keys, dtype=bool)
+                return
+            self._prepare_dir()
+            if self._lock(lock_wait_s):
+                break
+        else:
+            raise WriterBusyError(f"{self.parts} was removed again and again while this producer started: "
+                                  f"is a `kdcache gc` running in a loop? Run the producer again")
         try:
             self._start_heartbeat(heartbeat_s)
             done = scan_done(self.parts, spec)
@@ -116,9 +121,13 @@ class CacheWriter:
                 f"these inputs give {self.spec.fingerprint}: pass another cache path, or remove it to rebuild")
 
     def _lock(self, wait_s):
+        """Take this shard's lock. False when the folder was removed (renamed aside by `gc`, or by a
+        finished compaction) while waiting: the lock then belongs to a folder no longer in use."""
         path = os.path.join(self.parts, schema.lock_name(self.shard, self.nshards))
         try:
             fh = open(path, "a+")
+        except FileNotFoundError:
+            return False
         except OSError as e:
             raise fs_error(e, path, "make the cache directory writable or pass another --cache-dir") from None
         try:
@@ -143,6 +152,13 @@ class CacheWriter:
                         f"writing shard {self.shard}/{self.nshards} of cache {self.base}: wait for it to "
                         f"finish, stop it, or give this one another shard (--shard i/n)") from None
                 time.sleep(0.05)
+        try:
+            same = os.path.samestat(os.fstat(fh.fileno()), os.stat(path))
+        except FileNotFoundError:
+            same = False
+        if not same:
+            fh.close()
+            return False
         fh.seek(0)
         fh.truncate()
         fh.write(json.dumps({"pid": os.getpid(), "host": HOST, "shard": f"{self.shard}/{self.nshards}",
@@ -150,6 +166,7 @@ class CacheWriter:
         fh.flush()
         self._lock_fh = fh
         self.lock_path = path
+        return True
 
     def _start_heartbeat(self, every):
         # The lock file's mtime is the heartbeat readers on other hosts go by.

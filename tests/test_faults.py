@@ -16,7 +16,7 @@ import h5py
 import numpy as np
 import pytest
 
-from store import CacheReader, CacheWriter, StoreError, path_for
+from store import CacheReader, CacheWriter, StoreError, UnsupportedFormatError, path_for
 from store.registry import final_path, parts_path, verify
 from tests.conftest import ROOT
 from tests.helpers import expected_logits, gluon_teacher, make_spec
@@ -180,10 +180,19 @@ def test_nothing_in_a_cache_is_unpickled_or_evaluated(cache_dir):
             return (open, (marker, "w"))
     with h5py.File(final_path(p), "r+") as f:
         f.attrs["evil"] = np.void(pickle.dumps(Evil()))
+    for cmd in ("inspect", "verify"):
+        r = subprocess.run([sys.executable, "-m", "store", cmd, final_path(p)], env=ENV, cwd=ROOT,
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+    CacheReader(p).close()  # an extra attribute is inert: the cache stays usable
+    with h5py.File(final_path(p), "r+") as f:
         f.attrs["inputs_json"] = json.dumps({"__class__": "os.system", "teacher": "x"})
-    subprocess.run([sys.executable, "-m", "store", "inspect", final_path(p)], env=ENV, cwd=ROOT, capture_output=True)
-    subprocess.run([sys.executable, "-m", "store", "verify", final_path(p)], env=ENV, cwd=ROOT, capture_output=True)
-    CacheReader(p).close()
+    for cmd in ("inspect", "verify"):
+        r = subprocess.run([sys.executable, "-m", "store", cmd, final_path(p)], env=ENV, cwd=ROOT,
+                           capture_output=True, text=True)
+        assert r.returncode == 2 and "altered" in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
+    with pytest.raises(UnsupportedFormatError, match="altered"):
+        CacheReader(p)
     assert not os.path.exists(marker)
 
 

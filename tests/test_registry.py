@@ -91,7 +91,7 @@ def test_verify_exit_codes(populated):
         f[schema.LOGITS][3, 0, 2] = 0
         f.attrs[schema.A_VIEWS] = 2
     r = cli("verify", good)
-    assert r.returncode == 1 and "does not match" in r.stdout
+    assert r.returncode == 2 and "does not match" in r.stderr and len(r.stderr.splitlines()) == 1
 
 
 def test_gc_dry_run_then_remove_incomplete_and_unused(populated):
@@ -139,14 +139,20 @@ def test_gc_max_size_removes_least_recently_used(cache_dir):
     assert [os.path.exists(p) for p in paths] == [False, True, True]
 
 
-def test_gc_removes_damaged_files(cache_dir):
-    junk = os.path.join(cache_dir, "0123456789abcdef0123.h5")
+def test_gc_removes_damaged_caches_and_nothing_that_is_not_a_cache(cache_dir):
+    spec = make_spec(num_samples=20)
+    p = path_for(cache_dir, spec.fingerprint)
+    produce(p, spec)
+    with h5py.File(final_path(p), "r+") as f:
+        f.attrs[schema.A_NUM_CLASSES] = "ten"  # kdcache's file, its metadata malformed
+    junk = os.path.join(cache_dir, "0123456789abcdef0123.h5")  # named like a cache, not HDF5
     with open(junk, "wb") as fh:
         fh.write(b"\0" * 100)
     r = cli("ls", "--cache-dir", cache_dir)
-    assert "damaged" in r.stdout
-    cli("gc", "--cache-dir", cache_dir)
-    assert not os.path.exists(junk)
+    assert r.returncode == 0 and "damaged" in r.stdout and "not a cache" in r.stderr
+    r = cli("gc", "--cache-dir", cache_dir)
+    assert r.returncode == 0, r.stderr
+    assert not os.path.exists(final_path(p)) and os.path.exists(junk)
 
 
 def test_cli_help_and_errors(cache_dir):

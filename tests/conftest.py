@@ -32,3 +32,16 @@ def spec_factory():
 @pytest.fixture
 def logits_for():
     return expected_logits
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_digest_memo(tmp_path_factory):
+    """The tests' data set digests are remembered in a memo of their own, never in the user's
+    (~/.cache/kdcache/digests.json); commands the tests start inherit it."""
+    old = os.environ.get("KDCACHE_DIGEST_MEMO")
+    os.environ["KDCACHE_DIGEST_MEMO"] = str(tmp_path_factory.mktemp("digest-memo") / "digests.json")
+    yield
+    if old is None:
+        os.environ.pop("KDCACHE_DIGEST_MEMO", None)
+    else:
+        os.environ["KDCACHE_DIGEST_MEMO"] = old

@@ -3,6 +3,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 
@@ -66,8 +67,13 @@ def test_pip_install_into_a_fresh_environment(tmp_path):
     come from that environment alone, and the walk-through runs with them."""
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    # pip builds in the source tree (build/, *.egg-info): from a copy, so the clone keeps no build
+    # output and no earlier build's files can slip into this one.
+    src = tmp_path / "src"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", "__pycache__",
+                                                             "caches", "runs", "teachers"))
     pip = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                          ROOT, "numpy==1.23.5"], capture_output=True, text=True, timeout=1800)
+                          str(src), "numpy==1.23.5"], capture_output=True, text=True, timeout=1800)
     assert pip.returncode == 0, pip.stderr[-3000:]
     env = clean_env(str(venv / "bin"))
     where = subprocess.run([str(venv / "bin" / "python"), "-c", "import kdcache, store, pipeline, trainer, "

@@ -7,15 +7,14 @@ import weakref
 import numpy as np
 
 from ..codec import make_codec
-from ..errors import (CacheNotFoundError, FingerprintMismatchError, StoreError, UnsupportedFormatError,
-                      WriterBusyError)
+from ..errors import CacheNotFoundError, FingerprintMismatchError, StoreError, WriterBusyError
 from .layout import (_HEADER, CONSUMER, DEFAULT_CAPACITY, DEFAULT_CODEC, DEFAULT_DTYPE, FINISHED,
-                     LAYOUT_VERSION, LEFT, MAGIC, PRODUCER, RUNNING, _check_header, _find_slots, _layout,
-                     _read_header, _sized_layout)
-from .shm import (_BEAT_S, SHM_DIR, _beat_loop, _NotReady, _pid_alive, _ring_name, _Segment, _start_time,
-                  _unlink_name)
+                     LAYOUT_VERSION, LEFT, MAGIC, PRODUCER, RUNNING, _bad_slot_state, _check_header, _find_slots,
+                     _read_header, _ready_beyond_count, _sized_layout)
+from .shm import _BEAT_S, SHM_DIR, _beat_loop, _pid_alive, _ring_name, _Segment, _start_time
 
 _CHECK_S = 0.05        # how often a blocked call looks at the peer's liveness
+_IN_FLIGHT_S = 0.5     # how long a running producer may take between marking rows READY and counting them
 _MIN_SLEEP, _MAX_SLEEP = 50e-6, 5e-3
 
 
@@ -45,15 +44,14 @@ class _Ring:
                 self._create(capacity, num_classes, codec, dtype, fingerprint)
             else:
                 self._attach(capacity, num_classes, codec, dtype, fingerprint)
-            self._claim()
         except BaseException:
             self._release()
             raise
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=_beat_loop, daemon=True, name=f"{self.name}-{role}-heartbeat",
-            args=(self.hdr, role, self.name, not self.creator, self._stop,
-                  min(_BEAT_S, self.liveness_timeout / 4)))
+            args=(self.hdr, role, self._stop, min(_BEAT_S, self.liveness_timeout / 4),
+                  self._seg.drop_name if self.creator else None))
         self._thread.start()
 
     # --- setting up ---
@@ -71,57 +69,67 @@ class _Ring:
         self.capacity, self.num_classes = int(capacity), int(num_classes)
         self.dtype = self.codec.dtype.name
         parts, total = _sized_layout(self.name, self.capacity, self.num_classes, self.codec)
+        taken = StoreError(f"ring {self.name} exists already ({SHM_DIR}/{self.name}): attach to it with "
+                           f"create=False, pass another name, or, if its creator is gone, remove it with "
+                           f"store.ring.cleanup_stale()")
         try:
-            self._seg = _Segment(self.name, size=total)
+            self._seg = _Segment.create(self.name, total)
         except FileExistsError:
-            raise StoreError(f"ring {self.name} exists already: attach to it with create=False, or, "
-                             f"if its creator is gone, remove it with store.ring.cleanup_stale()") from None
+            raise taken from None
         self._map(parts)
         h, me = self.hdr, os.getpid()
         h["version"], h["capacity"], h["num_classes"] = LAYOUT_VERSION, self.capacity, self.num_classes
         h["codec"], h["dtype"] = self.codec.spec.encode(), self.dtype.encode()
         h["total_bytes"], h["creator_pid"], h["creator_start"] = total, me, _start_time(me)
-        h["fingerprint"] = (fingerprint or "").encode()
+        h["fingerprint"], h["fingerprinted"] = (fingerprint or "").encode(), fingerprint is not None
         self.fingerprint = fingerprint
-        h["magic"] = MAGIC  # last: a peer trusts the header once it sees the magic
+        self._claim()
+        h["magic"] = MAGIC
+        try:
+            self._seg.publish()  # under its name only now: a peer never sees half a header
+        except FileExistsError:
+            raise taken from None
 
     def _attach(self, capacity, num_classes, codec, dtype, fingerprint):
+        """Map the ring named self.name, check all of it, claim the side its creator left free and
+        remove its name: both sides hold the mapping, and a crash of either leaves nothing behind."""
         deadline = time.monotonic() + self.timeout
         while True:
-            seen = False
             try:
-                self._seg = _Segment(self.name)
-                seen = True
-                hdr = np.ndarray((), _HEADER, buffer=self._seg.buf)
-                ok = bytes(hdr["magic"]) == MAGIC
-                del hdr
-                if ok:
-                    break
-                self._seg.close()
-                self._seg = None
-            except (FileNotFoundError, _NotReady):
-                pass
-            except PermissionError:
-                raise StoreError(f"ring {self.name} belongs to another user (mode 0o600): run both "
-                                 f"sides as the same user") from None
+                self._seg = _Segment.attach(self.name)
+                break
+            except FileNotFoundError:
+                busy = False
+            except BlockingIOError:
+                busy = True
             if time.monotonic() > deadline:
-                if seen:
-                    raise UnsupportedFormatError(
-                        f"{SHM_DIR}/{self.name} is not a kdcache ring (no valid header after "
-                        f"{self.timeout:g} s): pass the right name, or remove it with cleanup_stale()")
+                if busy:
+                    raise StoreError(f"ring {self.name} was being attached by another process for "
+                                     f"{self.timeout:g} s: a ring takes one producer and one consumer")
                 raise CacheNotFoundError(
                     f"no ring named {self.name} appeared within {self.timeout:g} s: start the side that "
-                    f"creates it (create=True) first, pass its .name to this side, or raise timeout=")
+                    f"creates it (create=True) first, pass its .name to this side, or raise timeout= "
+                    f"(a ring takes one producer and one consumer: its name goes once both hold it)")
             time.sleep(0.01)
-        h = _check_header(self.name, _read_header(self._seg.buf))
-        self.capacity, self.num_classes = h["capacity"], h["num_classes"]
-        self.fingerprint = h["fingerprint"] or None
-        if fingerprint is not None and self.fingerprint is not None and fingerprint != self.fingerprint:
+        try:
+            self._check(capacity, num_classes, codec, dtype, fingerprint)
+            self._claim()
+            self.hdr["attached"] = 1
+            self._seg.drop_name()
+        finally:
+            self._seg.done_attaching()
+
+    def _check(self, capacity, num_classes, codec, dtype, fingerprint):
+        """Take the geometry from the header once every field of it checks out, then the slots."""
+        h = _check_header(self.name, _read_header(self._seg.buf), self._seg.size)
+        self.capacity, self.num_classes, self.fingerprint = h["capacity"], h["num_classes"], h["fingerprint"]
+        if fingerprint is not None and fingerprint != self.fingerprint:
+            found = ("was created without a fingerprint" if self.fingerprint is None else
+                     f"streams targets for fingerprint {self.fingerprint}")
             raise FingerprintMismatchError(
-                f"ring {self.name} streams targets for fingerprint {self.fingerprint}, this side expects "
-                f"{fingerprint} (another teacher, data set, views or codec): start the producer with the "
-                f"trainer's options, or let the trainer start it")
-        spec, self.dtype = h["codec"], h["dtype"]
+                f"ring {self.name} {found}, this side expects {fingerprint} (another teacher, data set, "
+                f"views or codec): start the producer with the trainer's options, or let the trainer start it")
+        self.codec, self.dtype = h["codec"], h["dtype"]
         if num_classes is not None and int(num_classes) != self.num_classes:
             raise StoreError(f"ring {self.name} holds {self.num_classes} classes, you passed "
                              f"num_classes={num_classes}: pass the same number on both sides, or "
@@ -129,7 +137,6 @@ class _Ring:
         if dtype is not None and _dtype_name(dtype) != self.dtype:
             raise StoreError(f"ring {self.name} stores dtype {self.dtype}, you passed dtype={dtype}: "
                              f"pass the same dtype on both sides, or leave it out (None)")
-        self.codec = make_codec(spec, self.num_classes, self.dtype)
         if codec is not None:
             wanted = make_codec(codec, self.num_classes, self.dtype).spec
             if wanted != self.codec.spec:
@@ -140,11 +147,20 @@ class _Ring:
             raise StoreError(f"ring {self.name} has capacity {self.capacity}, you passed "
                              f"capacity={capacity}: only the creating side sets the capacity; "
                              f"leave it out (None) here")
-        parts, total = _layout(self.capacity, self.codec)
-        if self._seg.size < total:
-            raise UnsupportedFormatError(f"ring {self.name} is {self._seg.size} bytes, its header "
-                                         f"needs {total}: it is damaged; remove it with cleanup_stale()")
-        self._map(parts)
+        self._map(h["parts"])
+        damage = _bad_slot_state(self.name, self.state)
+        if damage is not None:
+            raise damage
+        deadline = time.monotonic() + _IN_FLIGHT_S
+        while True:
+            state = np.array(self.state)  # the states, then the counter: a producer counts rows after it marks them
+            damage = _ready_beyond_count(self.name, state, int(self.hdr["write_count"]))
+            if damage is None:
+                return
+            if time.monotonic() > deadline or not (int(self.hdr["producer_state"]) == RUNNING and
+                                                   self._alive(PRODUCER)):
+                raise damage
+            time.sleep(0.005)  # a running producer between marking rows and counting them: look again
 
     def _map(self, parts):
         buf = self._seg.buf
@@ -156,9 +172,11 @@ class _Ring:
         self.fast_take = (self.codec.spec == "full" and self.codec.dtype == np.float32)
 
     def _claim(self):
+        """Take this side's place in the header. A place is taken once: by the creator, then by the
+        one peer that attaches (the ring's name goes then)."""
         h, r, me = self.hdr, self.role, os.getpid()
         pid = int(h[r + "_pid"])
-        if pid and int(h[r + "_state"]) == RUNNING and self._alive(r):
+        if pid:
             err = WriterBusyError if r == PRODUCER else StoreError
             raise err(f"ring {self.name} has a {r} already (pid {pid}): a ring takes one producer "
                       f"and one consumer; create another ring for another {r}")
@@ -178,7 +196,7 @@ class _Ring:
 
     def peer_status(self):
         """None while the peer is attached and alive; else 'absent', 'finished', 'left', 'dead'
-        or 'hung'. Removes the segment's name when the peer was its creator and is dead."""
+        or 'hung'."""
         h, p = self.hdr, self.peer
         pid = int(h[p + "_pid"])
         if pid == 0:
@@ -189,8 +207,6 @@ class _Ring:
         if state == LEFT:
             return "left"
         if not _pid_alive(pid, int(h[p + "_start"])):
-            if not self.creator and pid == int(h["creator_pid"]):
-                _unlink_name(self.name)
             return "dead"
         if time.monotonic() - float(h[p + "_beat"]) > self.liveness_timeout:
             return "hung"
@@ -236,9 +252,9 @@ class _Ring:
         self.hdr = self.state = self.keys = None
         self.fields = {}
         if self._seg is not None:
-            self._seg.close()
             if self.creator:
-                self._seg.unlink()
+                self._seg.drop_name()
+            self._seg.close()
             self._seg = None
 
 

@@ -1,14 +1,19 @@
 """The ring segment's byte layout: header record, version, geometry and offsets, keys and slot lookup."""
-# One segment in /dev/shm (POSIX shared memory, mode 0o600), all numpy views over one buffer:
+# One segment in /dev/shm (a regular file of the user who runs both sides, mode 0o600), all numpy
+# views over one buffer:
 #   header   one record of _HEADER: magic, layout version, geometry (capacity, num_classes,
-#            codec spec, dtype), creator pid, then per side (producer, consumer): pid, process
-#            start time (tells a reused pid apart), heartbeat (time.monotonic, system-wide on
-#            Linux), state (running / finished / left); and the producer's write counter.
+#            codec spec, dtype, total size), creator pid, then per side (producer, consumer): pid,
+#            process start time (tells a reused pid apart), heartbeat (time.monotonic, system-wide
+#            on Linux), state (running / finished / left); the producer's write counter; the
+#            targets' fingerprint and whether the creator gave one; and how many sides attached
+#            to the ring by its name (0, then 1: the attaching side removes the name).
 #   state    uint8 [capacity]: EMPTY or READY. The producer writes row, then key, then READY;
 #            the consumer copies a READY row out, then sets EMPTY. x86 keeps stores in order,
 #            so the byte written last publishes the row (single producer, single consumer).
 #   keys     int64 [capacity, 2]: (sample index, epoch) of each slot.
 #   fields   one array [capacity, *shape] per codec field (codec.fields), 64-byte aligned.
+# The segment ends where the last field ends (no padding): its size then grows strictly with
+# capacity, so a header whose capacity was changed no longer matches its file.
 # The producer fills slots in FIFO order from its head (slot write_count % capacity) and waits
 # while that slot is not EMPTY; the consumer finds keys wherever they are, so correctness never
 # depends on order, but the producer waits on the oldest unread row: read in about the order
@@ -17,9 +22,12 @@ import math
 
 import numpy as np
 
-from ..errors import BadInputError, UnsupportedFormatError
+from ..codec import DTYPES, make_codec
+from ..errors import BadInputError, StoreError, UnsupportedFormatError
 
-LAYOUT_VERSION = 2     # bump when a ring written by this code cannot be read by older code (2: fingerprint)
+# Bump when a ring written by this code cannot be read by older code (2: fingerprint; 3: the
+# fingerprinted and attached fields, the segment's size without end padding).
+LAYOUT_VERSION = 3
 MAGIC = b"KDCRING1"
 
 EMPTY, READY = 0, 1
@@ -40,7 +48,7 @@ _HEADER = np.dtype([
     ("creator_pid", "<i8"), ("creator_start", "<i8"),
     ("producer_pid", "<i8"), ("producer_start", "<i8"), ("producer_beat", "<f8"), ("producer_state", "<i8"),
     ("consumer_pid", "<i8"), ("consumer_start", "<i8"), ("consumer_beat", "<f8"), ("consumer_state", "<i8"),
-    ("write_count", "<i8"), ("fingerprint", "S32"),
+    ("write_count", "<i8"), ("fingerprint", "S32"), ("fingerprinted", "<i8"), ("attached", "<i8"),
 ])
 _ALIGN = 64
 
@@ -52,15 +60,16 @@ def _align(n):
 
 
 def _layout(capacity, codec):
-    """{part: (offset, shape, dtype)} and the total size in bytes. Python ints throughout: numpy's
-    int64 product wraps silently, and a wrapped size maps a segment too small for its views."""
-    parts, off = {}, _align(_HEADER.itemsize)
+    """{part: (offset, shape, dtype)} and the total size in bytes: where the last part ends.
+    Python ints throughout: numpy's int64 product wraps silently, and a wrapped size maps a
+    segment too small for its views."""
+    parts, end = {}, _HEADER.itemsize
     for name, shape, dtype in [("state", (), np.uint8), ("keys", (2,), np.int64)] + \
             [("f:" + n, s, d) for n, s, d in codec.fields]:
-        shape = (int(capacity),) + tuple(int(s) for s in shape)
+        shape, off = (int(capacity),) + tuple(int(s) for s in shape), _align(end)
         parts[name] = (off, shape, np.dtype(dtype))
-        off = _align(off + math.prod(shape) * np.dtype(dtype).itemsize)
-    return parts, off
+        end = off + math.prod(shape) * np.dtype(dtype).itemsize
+    return parts, end
 
 
 def _sized_layout(name, capacity, num_classes, codec):
@@ -83,37 +92,115 @@ def _sized_layout(name, capacity, num_classes, codec):
 # --- the header -----------------------------------------------------------------------------
 
 def _read_header(buf):
-    """The header's fields as Python values: a copy, so no view keeps the mapping busy."""
+    """The header's fields as Python values (bytes with trailing NULs dropped): a copy, so no view
+    keeps the mapping busy, and a peer cannot change a value between its check and its use."""
     return dict(zip(_HEADER.names, np.ndarray((), _HEADER, buffer=buf).item()))
 
 
-def _check_header(name, h):
-    """The geometry of a peer's header (_read_header) as {capacity, num_classes, codec, dtype,
-    fingerprint}, text decoded; UnsupportedFormatError naming the ring and the field when the
-    version differs or a field cannot be a ring's (a damaged segment, or not kdcache's).
-    An empty fingerprint is a ring created without one: no check, as documented."""
-    version = h["version"]
-    if version != LAYOUT_VERSION:
-        raise UnsupportedFormatError(
-            f"ring {name} has layout version {version}, this kdcache reads "
-            f"{LAYOUT_VERSION}: run the same kdcache version on both sides")
+# Fields a side rewrites while the ring runs (all others are fixed once the magic is set), and
+# the bounds of any value kdcache writes into them.
+_COUNTERS = ("creator_start", "producer_pid", "producer_start", "consumer_pid", "consumer_start", "write_count")
+_BEATS = ("producer_beat", "consumer_beat")
+_STATES = ("producer_state", "consumer_state")
+MAX_CLASSES = MAX_BYTES // 4   # one row of float32 logits decoded from the ring fits MAX_BYTES
 
-    def damaged(field, value, rule):
-        return UnsupportedFormatError(f"ring {name} has {field}={value!r} in its header ({rule}): it is "
-                                      f"damaged; remove it with cleanup_stale()")
-    if h["capacity"] < 1:
-        raise damaged("capacity", h["capacity"], "a ring holds at least 1 row")
-    if h["num_classes"] < 1:
-        raise damaged("num_classes", h["num_classes"], "a ring holds at least 1 class")
+
+def _damaged(name, field, value, rule):
+    return UnsupportedFormatError(f"ring {name} has {field}={value!r} in its header ({rule}): it is damaged "
+                                  f"or not kdcache's; pass the right ring name, or remove it once no process "
+                                  f"uses it (cleanup_stale() does when its creator is dead)")
+
+
+def _check_header(name, h, size):
+    """The geometry of a peer's header (_read_header) as {capacity, num_classes, codec (a codec
+    object), dtype, fingerprint (None: created without one), parts}, after checking every field
+    against what a kdcache creator writes and the header against the file's `size` in bytes:
+    UnsupportedFormatError naming the ring and the field otherwise (damaged, or not kdcache's)."""
+    if h["magic"] != MAGIC:
+        raise UnsupportedFormatError(
+            f"ring {name} is not a kdcache ring: it starts with {h['magic']!r}, not {MAGIC!r}; pass the "
+            f"name the creating side reports as .name, or remove the file if nothing of yours uses it")
+    if h["version"] != LAYOUT_VERSION:
+        raise UnsupportedFormatError(
+            f"ring {name} has layout version {h['version']}, this kdcache reads "
+            f"{LAYOUT_VERSION}: run the same kdcache version on both sides")
+    if h["creator_pid"] < 1:
+        raise _damaged(name, "creator_pid", h["creator_pid"], "the pid of the process that created it")
+    for field in _COUNTERS:
+        if h[field] < 0:
+            raise _damaged(name, field, h[field], "a pid, start time or counter, never negative")
+    for field in _BEATS:
+        if not (math.isfinite(h[field]) and h[field] >= 0):
+            raise _damaged(name, field, h[field], "a time.monotonic() reading")
+    for field in _STATES:
+        if h[field] not in (RUNNING, FINISHED, LEFT):
+            raise _damaged(name, field, h[field], f"{RUNNING} running, {FINISHED} finished or {LEFT} left")
+    if h["attached"] not in (0, 1):
+        raise _damaged(name, "attached", h["attached"], "0, or 1 once the second side attached")
+    if h["fingerprinted"] not in (0, 1):
+        raise _damaged(name, "fingerprinted", h["fingerprinted"], "1 with a fingerprint, 0 without")
+    # Bounds before any product: the header's int64s may hold anything.
+    if not 1 <= h["capacity"] <= MAX_BYTES:
+        raise _damaged(name, "capacity", h["capacity"], f"a ring holds 1 to {MAX_BYTES} rows")
+    if not 1 <= h["num_classes"] <= MAX_CLASSES:
+        raise _damaged(name, "num_classes", h["num_classes"], f"a ring holds 1 to {MAX_CLASSES} classes")
     out = {"capacity": h["capacity"], "num_classes": h["num_classes"]}
     for field in ("codec", "dtype", "fingerprint"):
         try:
             out[field] = h[field].decode()
         except UnicodeDecodeError:
-            raise damaged(field, h[field], "not text") from None
-    if out["fingerprint"] and not out["fingerprint"].isalnum():
-        raise damaged("fingerprint", out["fingerprint"], "letters and digits, or empty for none")
+            raise _damaged(name, field, h[field], "not text") from None
+    fp = out["fingerprint"]
+    if fp and not fp.isalnum():
+        raise _damaged(name, "fingerprint", fp, "letters and digits")
+    if bool(fp) != bool(h["fingerprinted"]):
+        raise _damaged(name, "fingerprint", fp, f"fingerprinted={h['fingerprinted']}: a ring created with a "
+                                                f"fingerprint names it, one created without leaves it empty")
+    out["fingerprint"] = fp or None
+    if out["dtype"] not in DTYPES:
+        raise _damaged(name, "dtype", out["dtype"], f"one of {', '.join(DTYPES)}")
+    try:
+        codec = make_codec(out["codec"], out["num_classes"], out["dtype"])
+    except StoreError:
+        raise _damaged(name, "codec", out["codec"], "full, or topk:K with 1 <= K <= num_classes") from None
+    if codec.spec != out["codec"]:
+        raise _damaged(name, "codec", out["codec"], f"kdcache writes {codec.spec!r}")
+    parts, total = _layout(out["capacity"], codec)
+    if total > MAX_BYTES:
+        raise _damaged(name, "capacity", out["capacity"], f"with num_classes={out['num_classes']} and codec "
+                                                          f"{codec.spec} the ring would take {total} bytes, "
+                                                          f"over the {MAX_BYTES} a ring allows")
+    if h["total_bytes"] != total:
+        raise _damaged(name, "total_bytes", h["total_bytes"], f"its geometry takes {total} bytes")
+    if size != total:
+        raise UnsupportedFormatError(f"ring {name} is {size} bytes, its header says {total} bytes: it is "
+                                     f"damaged or not kdcache's; pass the right ring name, or remove it once no "
+                                     f"process uses it")
+    out.update(codec=codec, parts=parts)
     return out
+
+
+def _bad_slot_state(name, state):
+    """UnsupportedFormatError when a slot of `state` holds a value no side writes (EMPTY or READY)."""
+    bad = np.flatnonzero(state > READY)
+    if bad.size:
+        return UnsupportedFormatError(
+            f"ring {name} has slot {int(bad[0])} in state {int(state[bad[0]])} (a side writes only {EMPTY} "
+            f"empty or {READY} ready): it is damaged or not kdcache's; pass the right ring name, or remove it "
+            f"once no process uses it")
+    return None
+
+
+def _ready_beyond_count(name, state, write_count):
+    """UnsupportedFormatError when the READY slots of `state` cannot be a producer's after
+    `write_count` rows: it marks at most write_count of them, below write_count until it wraps."""
+    ready = np.flatnonzero(state == READY)
+    if ready.size > write_count or (write_count < state.size and ready.size and ready[-1] >= write_count):
+        return UnsupportedFormatError(
+            f"ring {name} has {ready.size} rows ready (the last in slot {int(ready[-1])}) but write_count="
+            f"{write_count} in its header: no producer leaves rows it did not write; it is damaged; pass "
+            f"the right ring name, or remove it once no process uses it")
+    return None
 
 
 # --- keys -----------------------------------------------------------------------------------

@@ -15,10 +15,15 @@ class RingWriter(_Side):
     seconds for it to appear, and takes the geometry from its header (num_classes, codec, dtype or
     capacity passed here must agree, else StoreError). `fingerprint` (the cache fingerprint of the
     targets: teacher, data, views, codec) is stored by the creator; an attaching side that passes
-    another one is refused (FingerprintMismatchError); None on either side skips the check. The creator removes the segment when it
-    closes; an attached peer keeps reading through its mapping, so attach before the creator
-    closes. write() blocks while the ring is full; `timeout` counts seconds without progress and
-    `liveness_timeout` how long the consumer may go without a heartbeat before it counts as dead.
+    another one, or passes one to a ring created without, is refused (FingerprintMismatchError);
+    passing None skips the check. Attaching checks everything found in /dev/shm first (a regular
+    file of this user that no one else may write, every header field, the file's size, the slots),
+    refusing anything else at once with one StoreError line. A ring takes one producer and one
+    consumer: its name is removed as soon as the second side attaches, so a crash of both leaves
+    nothing behind (before that, the creator's resource tracker or cleanup_stale() removes it).
+    The creator removes the name when it closes before a peer attached. write() blocks while the
+    ring is full; `timeout` counts seconds without progress and `liveness_timeout` how long the
+    consumer may go without a heartbeat before it counts as dead.
     Options (keyword only): capacity=None, num_classes=None, codec=None, dtype=None,
     timeout=60.0, liveness_timeout=5.0, fingerprint=None.
     """

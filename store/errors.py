@@ -17,6 +17,10 @@ class UnsupportedFormatError(StoreError):
     """A file is not a kdcache cache, or was written by a newer format version."""
 
 
+class NewerFormatError(UnsupportedFormatError):
+    """A file written by a newer kdcache (a higher format version): refused, never removed as damaged."""
+
+
 class WriterBusyError(StoreError):
     """Another producer holds the lock on this cache (or shard)."""
 

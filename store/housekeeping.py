@@ -12,7 +12,7 @@ from . import schema
 from .compact import finalize, remove_parts
 from .errors import StoreError
 from .paths import ASIDE, COMPACT_TMP, final_path, finish_discard, parts_path, pid_alive
-from .segment import count_done, lock_holders, open_final, read_manifest
+from .segment import HOST, count_done, lock_holders, open_final, read_manifest
 from .validate import check_final, read_meta, spec_from_meta
 
 
@@ -46,6 +46,12 @@ def locked(parts):
             os.close(fd)  # closing drops the lock
 
 
+def remote_holders(parts):
+    """Producers on other hosts whose heartbeat is fresh. For use under `locked`: there every local
+    lock is this process's own, and lock_holders would count this process as a producer."""
+    return [h for _, h in lock_holders(parts) if h.get("host", HOST) != HOST]
+
+
 def final_spec(fin, name):
     """The spec of a finished cache file after every check a reader makes (StoreError otherwise)."""
     with open_final(fin) as f:
@@ -75,7 +81,7 @@ def settle(base):
         if os.path.exists(fin):
             final_spec(fin, name)
             with locked(parts) as held:
-                if held and not lock_holders(parts):
+                if held and not remote_holders(parts):
                     remove_parts(parts)
                     return "removed the segments beside the finished file"
             return None

@@ -5,7 +5,7 @@ import time
 import h5py
 
 from . import schema
-from .errors import StoreError
+from .errors import NewerFormatError, StoreError
 from .fingerprint import is_fingerprint
 from .housekeeping import final_spec, locked, parts_spec, remove_stale, settle, stale_files
 from .paths import (DEFAULT_DIR, ENV_DIR, OWN_PART, base_path, discard, exists, final_path,  # noqa: F401
@@ -15,6 +15,7 @@ from .validate import looks_like_hdf5
 from .verify import verify  # noqa: F401 (python -m store verify)
 
 NOT_A_CACHE = "not a cache"
+NEWER = "newer format"  # written by a newer kdcache: listed, never removed by this one
 
 def touch_used(path):
     """Record 'last used' as the finished file's access time (explicitly set, whatever the mount)."""
@@ -119,9 +120,9 @@ def info(path, *, tidy=True, held=False):
     """Summary of one entry: fingerprint, inputs, state, percent done, size, created, last used.
 
     States: complete, producing, committed (every key committed, compaction pending), incomplete,
-    damaged (kdcache's, but unusable), and "not a cache" (never touched). With `tidy`, what a crash
-    left is finished first (settle). `held`: the caller holds every lock of the cache (so no producer
-    is alive)."""
+    damaged (kdcache's, but unusable), "newer format" and "not a cache" (both never touched). With
+    `tidy`, what a crash left is finished first (settle). `held`: the caller holds every lock of the
+    cache (so no producer is alive)."""
     base = base_path(path)
     fin, parts = final_path(base), parts_path(base)
     name = os.path.basename(base)
@@ -149,8 +150,6 @@ def _info(base, fin, parts, name, tidy, held, st0):
             st = os.stat(fin)
             spec, meta = final_spec(fin, name)
             last_used = st0.st_atime if st0 is not None and os.path.samestat(st0, st) else st.st_atime
-            if int(meta.get(schema.A_COMPLETE, 0)) != 1:
-                raise StoreError(f"{fin}: the complete flag is not set")
             out.update(state="complete", done=1.0, size=st.st_size, last_used=last_used)
             if os.path.isdir(parts):
                 out["segments_left"] = parts
@@ -167,7 +166,8 @@ def _info(base, fin, parts, name, tidy, held, st0):
             when = os.stat(where).st_mtime
         except OSError:
             when = None
-        out.update(state="damaged", error=str(e).splitlines()[0] if str(e) else type(e).__name__,
+        out.update(state=NEWER if isinstance(e, NewerFormatError) else "damaged",
+                   error=str(e).splitlines()[0] if str(e) else type(e).__name__,
                    size=_size(fin) + _size(parts), done=0.0, last_used=when)
         return out
     inputs = meta.get("inputs") or {}
@@ -175,15 +175,20 @@ def _info(base, fin, parts, name, tidy, held, st0):
         fingerprint=spec.fingerprint, format_version=int(meta[schema.A_FORMAT]),
         teacher=_describe(inputs.get("teacher")), dataset=_describe(inputs.get("dataset")),
         num_samples=spec.num_samples, views=spec.views, num_classes=spec.num_classes, codec=spec.codec,
-        dtype=spec.dtype, created=meta.get(schema.A_CREATED), tool_version=meta.get(schema.A_TOOL_VERSION))
+        dtype=spec.dtype, created=_text(meta.get(schema.A_CREATED)), tool_version=meta.get(schema.A_TOOL_VERSION))
     return out
+
+
+def _text(x):
+    """An informational attribute shown as written when it is text, else not at all (it is not checked)."""
+    return x if isinstance(x, str) else None
 
 
 def _describe(x):
     """Short human label of a teacher/dataset identity dict."""
     if isinstance(x, dict):
         name = x.get("name") or x.get("prefix") or ""
-        dig = x.get("digest") or x.get("sha256") or ""
+        dig = str(x.get("digest") or x.get("sha256") or "")  # inputs are free-form JSON
         return f"{name}@{dig[:8]}" if dig else str(name)
     return "" if x is None else str(x)
 

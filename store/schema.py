@@ -15,7 +15,7 @@ import json
 
 import numpy as np
 
-from .errors import BadInputError, UnsupportedFormatError
+from .errors import BadInputError, NewerFormatError, UnsupportedFormatError
 
 FORMAT_VERSION = 1  # bump when a file written by this code cannot be read by older code
 
@@ -124,12 +124,12 @@ def check_format_version(version, where):
     """Integer comparison of a file's format version with ours; raise a typed error if unreadable."""
     try:
         version = int(version)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise UnsupportedFormatError(
             f"{where}: format version {version!r} is not an integer: the file is not a kdcache "
             f"cache or is damaged; remove it (python -m store gc) and rebuild") from None
     if version > FORMAT_VERSION:
-        raise UnsupportedFormatError(
+        raise NewerFormatError(
             f"{where}: written with kdcache format version {version}, this kdcache reads up to "
             f"{FORMAT_VERSION}: upgrade kdcache, or rebuild the cache with this version")
     if version < 1:

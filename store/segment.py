@@ -174,7 +174,10 @@ def read_manifest(parts_dir):
     if not isinstance(meta, dict):
         raise UnsupportedFormatError(f"{path}: not a kdcache manifest: remove {parts_dir} to rebuild the cache")
     schema.check_format_version(meta.get(schema.A_FORMAT), path)
-    meta["inputs"] = json.loads(meta[schema.A_INPUTS])
+    try:
+        meta["inputs"] = json.loads(meta[schema.A_INPUTS])
+    except (KeyError, TypeError, ValueError):
+        meta.pop("inputs", None)  # spec_from_meta names what is missing or malformed
     return meta
 
 

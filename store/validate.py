@@ -106,6 +106,9 @@ def check_final(f, path, spec):
     """A finished cache file: its datasets exactly as the metadata implies, every byte of them
     written and inside the file (so a 7 KB file cannot declare 10^11 rows)."""
     check_links(f, path)
+    flag = f.attrs.get(schema.A_COMPLETE)
+    if not isinstance(flag, np.integer) or flag != 1:  # compaction writes 1 before the file gets its name
+        raise bad(path, f"attribute {schema.A_COMPLETE} is {flag!r}, not 1: the file was not finished by kdcache")
     n, v = spec.num_samples, spec.views
     size = os.path.getsize(path)
     need = spec.num_keys * (spec.make_codec().bytes_per_row + 1)

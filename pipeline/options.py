@@ -15,8 +15,9 @@ from kdcache.args import Allowed, Dir, Floats, Int, Name, Option, Path, Size, fa
 
 from .augment import Augment
 
-# The default teacher for the digits data set: `kdcache teacher` (make teacher) builds it.
-DEFAULT_TEACHER = os.path.join("teachers", "digits")
+# The default teachers, by data set: `kdcache teacher --dataset NAME` (make teacher DATASET=NAME) builds them.
+DEFAULT_TEACHERS = {name: os.path.join("teachers", name) for name in ("digits", "mnist5k")}
+DEFAULT_TEACHER = DEFAULT_TEACHERS["digits"]
 
 
 class Codec(Allowed):
@@ -108,7 +109,8 @@ TEACHER, DATA, CACHE, SCHEDULE = "teacher", "data", "cache", "schedule (the same
 # What the producer and the trainer share: these name the cache and the schedule.
 SHARED = [
     Option("--teacher", "MXNet checkpoint: PREFIX-symbol.json + PREFIX-NNNN.params (latest epoch if none); "
-           f"for --dataset digits the default is {DEFAULT_TEACHER}, built by `kdcache teacher`",
+           f"for --dataset digits the default is {DEFAULT_TEACHER}, for mnist5k {DEFAULT_TEACHERS['mnist5k']}, "
+           f"built by `kdcache teacher --dataset NAME`",
            metavar="PREFIX[:EPOCH]", group=TEACHER, make="TEACHER"),
     Option("--teacher-input", "the teacher's image input (found when there is one)", metavar="NAME",
            type=Name(), group=TEACHER),
@@ -117,7 +119,7 @@ SHARED = [
     Option("--teacher-std", "per-channel std the images are divided by (> 0)", type=Floats(positive=True),
            metavar="S[,S,S]", group=TEACHER),
     Option("--teacher-size", "resize images to HxW for the teacher", type=Size(), metavar="HxW", group=TEACHER),
-    Option("--dataset", "digits (embedded) | synthetic[:n=..,classes=..,shape=CxHxW,seed=..] | mnist | "
+    Option("--dataset", "digits | mnist5k (embedded) | synthetic[:n=..,classes=..,shape=CxHxW,seed=..] | mnist | "
            "fashion-mnist | cifar10 | cifar100 | npz | recordio | imagefolder", type=DatasetSpec(),
            default="digits", metavar="NAME", group=DATA, make="DATASET"),
     Option("--data-root", "local files of the data set (nothing is downloaded)", type=Path(exists=True),
@@ -158,20 +160,21 @@ def shared_argv(args, **values):
 
 
 def resolve_teacher(args, parser=None):
-    """--teacher, or the default digits teacher; the checkpoint's files must be there and readable.
+    """--teacher, or the data set's default teacher; the checkpoint's files must be there and readable.
     Sets args.teacher; errors go through parser.error (one line, exit 2) when a parser is given."""
     from .checkpoint import TeacherError, checkpoint_files, parse_teacher_arg
     teacher = args.teacher
     try:
         if teacher is None:
-            if args.dataset != "digits":
+            if args.dataset not in DEFAULT_TEACHERS:
                 raise TeacherError(f"--dataset {args.dataset} needs --teacher PREFIX[:EPOCH] (the default "
-                                   f"teacher {DEFAULT_TEACHER} is for digits)")
-            if not os.path.exists(DEFAULT_TEACHER + "-symbol.json"):
-                raise TeacherError(f"the default digits teacher {DEFAULT_TEACHER}-symbol.json is missing here "
-                                   f"({os.getcwd()}): build it with `kdcache teacher` (make teacher) or pass "
-                                   f"--teacher PREFIX")
-            teacher = DEFAULT_TEACHER
+                                   f"teachers are for {' and '.join(DEFAULT_TEACHERS)})")
+            teacher = DEFAULT_TEACHERS[args.dataset]
+            if not os.path.exists(teacher + "-symbol.json"):
+                build = "" if args.dataset == "digits" else f" --dataset {args.dataset}"
+                raise TeacherError(f"the default {args.dataset} teacher {teacher}-symbol.json is missing here "
+                                   f"({os.getcwd()}): build it with `kdcache teacher{build}` (make teacher"
+                                   f"{build.replace(' --dataset ', ' DATASET=')}) or pass --teacher PREFIX")
         checkpoint_files(*parse_teacher_arg(teacher))
     except TeacherError as e:
         if parser is None:

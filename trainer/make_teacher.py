@@ -1,7 +1,8 @@
 """python -m trainer.make_teacher: train a teacher on a data set and export it as MXNet checkpoint files.
 
-`make teacher` uses it to build the default digits teacher (teachers/digits-symbol.json and
-teachers/digits-0000.params) that every target needing a teacher falls back on.
+`make teacher` uses it to build the default teachers that every target needing a teacher falls back
+on: teachers/digits-symbol.json / -0000.params for digits, teachers/mnist5k-* for mnist5k. Each data
+set has its recipe (network, epochs, augmentation: RECIPES); the options override it.
 """
 import json
 import logging
@@ -9,9 +10,15 @@ import os
 import sys
 import time
 
-from kdcache.args import Float, Int, Option, Parser, add_options
-from pipeline.options import DEFAULT_TEACHER, SHARED_BY_DEST, AugmentSpec
-from trainer.options import Student
+from kdcache.args import Float, Int, Option, Parser, add_options, fail
+from pipeline.options import SHARED_BY_DEST, AugmentSpec
+from trainer.options import Student, zoo_names
+
+# Per data set: the teacher's network, epochs and augmentation (others get digits' recipe).
+# mnist5k: mnist_teacher, 20 epochs, shifts of up to 2 pixels: 98.0-98.7% test accuracy over seeds
+# 0-2 (13-20 errors of 1,000; seed 0: 98.6%), ~68 s with one thread on an AMD EPYC core (two: no faster).
+RECIPES = {"digits": {"arch": "digits_teacher", "epochs": 40, "augment": "crop:1"},
+           "mnist5k": {"arch": "mnist_teacher", "epochs": 20, "augment": "crop:2"}}
 
 
 def train_teacher(dataset, test, *, arch="digits_teacher", epochs=40, batch_size=64, lr=2e-3, seed=0,
@@ -38,7 +45,8 @@ def train_teacher(dataset, test, *, arch="digits_teacher", epochs=40, batch_size
     aug = Augment.parse(augment)
     mx.random.seed(seed)
     np.random.seed(seed)
-    net = get_model(arch, dataset.num_classes, prefix="teacher_")
+    net = (TEACHER_NETS[arch](dataset.num_classes, prefix="teacher_") if arch in TEACHER_NETS
+           else get_model(arch, dataset.num_classes, prefix="teacher_"))
     net.initialize(mx.init.Xavier(), ctx=mx.cpu())
     net.hybridize(static_alloc=True)
     trainer = gluon.Trainer(net.collect_params(), "adam", {"learning_rate": lr, "wd": 1e-4})
@@ -63,6 +71,38 @@ def train_teacher(dataset, test, *, arch="digits_teacher", epochs=40, batch_size
     return net, accuracy(net, test)
 
 
+def mnist_teacher(classes=10, prefix="teacher_"):
+    """A LeNet-style CNN for 28x28 digits, mnist5k's teacher (~0.4M weights, 4.3M multiply-adds
+    an image): two 3x3 convolutions each halved by max pooling, then a dropout-regularised MLP."""
+    from mxnet import gluon
+    net = gluon.nn.HybridSequential(prefix=prefix)
+    with net.name_scope():
+        net.add(gluon.nn.Conv2D(32, 3, padding=1, activation="relu"),
+                gluon.nn.MaxPool2D(2),
+                gluon.nn.Conv2D(64, 3, padding=1, activation="relu"),
+                gluon.nn.MaxPool2D(2),
+                gluon.nn.Flatten(),
+                gluon.nn.Dropout(0.3),
+                gluon.nn.Dense(128, activation="relu"),
+                gluon.nn.Dropout(0.3),
+                gluon.nn.Dense(classes))
+    return net
+
+
+TEACHER_NETS = {"mnist_teacher": mnist_teacher}
+
+
+class Arch(Student):
+    """A teacher network: digits_teacher, mnist_teacher, small_cnn, mlp, mlp128 or a Gluon model-zoo name."""
+
+    def __call__(self, s):
+        zoo = zoo_names()
+        if s not in TEACHER_NETS and s not in self.BUILTIN and zoo is not None and s not in zoo:
+            fail(f"{s!r} is not a known network: use digits_teacher, mnist_teacher, small_cnn, mlp or a Gluon "
+                 f"model-zoo name such as resnet18_v1")
+        return s
+
+
 def accuracy(net, dataset, batch_size=256):
     import mxnet as mx
     import numpy as np
@@ -75,17 +115,20 @@ def accuracy(net, dataset, batch_size=256):
 
 TEACHER = [
     SHARED_BY_DEST["dataset"], SHARED_BY_DEST["data_root"],
-    Option("--arch", "network: digits_teacher, small_cnn, mlp, or a Gluon model-zoo name", type=Student(),
-           default="digits_teacher", metavar="ARCH", group="teacher"),
-    Option("--out", "checkpoint prefix: writes PREFIX-symbol.json, PREFIX-0000.params, PREFIX-info.json",
-           default=DEFAULT_TEACHER, metavar="PREFIX", group="teacher"),
-    Option("--epochs", "training epochs", type=Int(1, 100000), default=40, metavar="E", group="teacher"),
+    Option("--arch", "network: digits_teacher, mnist_teacher, small_cnn, mlp, or a Gluon model-zoo name "
+           "(default: the data set's, digits_teacher for digits and others, mnist_teacher for mnist5k)",
+           type=Arch(), metavar="ARCH", group="teacher"),
+    Option("--out", "checkpoint prefix: writes PREFIX-symbol.json, PREFIX-0000.params, PREFIX-info.json "
+           "(default teachers/NAME: teachers/digits, teachers/mnist5k, ...)", metavar="PREFIX", group="teacher"),
+    Option("--epochs", "training epochs (default: the data set's, 40 for digits and others, 20 for mnist5k)",
+           type=Int(1, 100000), metavar="E", group="teacher"),
     Option("--lr", "Adam learning rate at the start", type=Float(0, 10, gt=True), default=2e-3, metavar="LR",
            group="teacher"),
     Option("--schedule", "learning-rate schedule (cosine decays to 0 over the epochs)",
            choices=("cosine", "constant"), default="cosine", group="teacher"),
-    Option("--augment", "per-sample augmentation, as the pipeline's --augment (crop:1: shifts of up to 1 pixel)",
-           type=AugmentSpec(), default="crop:1", metavar="SPEC", group="teacher"),
+    Option("--augment", "per-sample augmentation, as the pipeline's --augment (crop:1: shifts of up to 1 pixel; "
+           "default: the data set's, crop:1 for digits and others, crop:2 for mnist5k)",
+           type=AugmentSpec(), metavar="SPEC", group="teacher"),
     Option("--seed", "seed of the initialisation and the augmentation", type=Int(0, 2 ** 32 - 1), default=0,
            metavar="S", group="teacher"),
     Option("--threads", "compute threads (default: all cores)", type=Int(1, 1024), metavar="N", group="teacher"),
@@ -97,6 +140,12 @@ def main(argv=None, prog="python -m trainer.make_teacher"):
     p = Parser(prog=prog, description=__doc__.split("\n\n")[0])
     add_options(p, TEACHER)
     args = p.parse_args(argv)
+    base = args.dataset.split(":", 1)[0].lower()
+    for dest, value in RECIPES.get(base, RECIPES["digits"]).items():
+        if getattr(args, dest) is None:
+            setattr(args, dest, value)
+    if args.out is None:
+        args.out = os.path.join("teachers", base)
     if not args.out.strip() or args.out.endswith(os.sep) or os.path.isdir(args.out):
         p.error(f"argument --out: {args.out!r} names a folder: give a prefix, e.g. teachers/digits")
     parent = os.path.dirname(os.path.abspath(args.out))

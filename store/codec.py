@@ -1,18 +1,30 @@
 """Codecs: how a row of raw teacher logits is stored, and how a reader turns it back into logits.
 
 * ``full``    -- the raw logits, float16 or float32 (2C or 4C bytes per row).
-* ``topk:K``  -- the K largest logits (float16), their class indices (uint16 when C <= 65536)
-  and the log-sum-exp of all C logits (float32): 4K + 4 bytes per row at float16.
-  Top-k alone is biased (it drops the tail mass); the log-sum-exp gives the tail's total
-  probability at temperature 1, which decode() spreads evenly over the other C-K classes, so
-  the rebuilt logits give a proper distribution whose top-k part is exact.
+* ``topk:K``  -- the K largest logits (float16), their class indices (uint16 when C <= 65536),
+  the log-sum-exp of all C logits and the log of the probability mass of the C-K classes not
+  stored (both float32, computed from the float32 logits): 4K + 8 bytes per row at float16.
+  Top-k alone is biased (it drops the tail mass): decode() spreads the tail mass evenly over
+  the other C-K classes, so the rebuilt logits give a proper distribution whose top-k part is
+  exact. The tail is stored as a logarithm computed from the tail's own logits: no rounding of
+  the stored top values can make it negative, and a tail of 1e-30 keeps its size (it decides
+  the soft targets at a high temperature).
+
+Codec versions: ``topk`` version 1 (files written before the log-tail existed) stored no tail;
+its reader rebuilds the tail as 1 - (the stored top values' mass), in float64, for the rows
+where float16 rounding leaves that difference known to within 25%; a file with other rows is
+refused with one line (rebuild it). Writers always write the current version.
 """
 import numpy as np
 
 from . import schema
-from .errors import BadInputError, StoreError
+from .errors import BadInputError, NewerFormatError, StoreError
 
 DTYPES = ("float16", "float32")
+VERSIONS = {"full": 1, "topk": 2}  # the version of each codec that writers write
+LOGTAIL_NONE = -1.0e4  # topk_logtail of a row without a tail (K = C): exp() of it is 0 at any temperature
+# Relative rounding of a stored value (half an ulp): float16, float32.
+_ROUNDING = {np.dtype(np.float16): 2.0 ** -11, np.dtype(np.float32): 2.0 ** -24}
 
 
 def _finite_or_raise(logits, keys, what):
@@ -28,6 +40,7 @@ def _finite_or_raise(logits, keys, what):
 
 class FullCodec:
     name = "full"
+    version = 1
 
     def __init__(self, num_classes, dtype="float16"):
         self.num_classes = int(num_classes)
@@ -56,13 +69,20 @@ class FullCodec:
         out[...] = x
         return out
 
+    def unrecoverable(self, fields):
+        return np.zeros(len(fields[schema.LOGITS]), dtype=bool)
+
 
 class TopKCodec:
     name = "topk"
 
-    def __init__(self, num_classes, k, dtype="float16"):
+    def __init__(self, num_classes, k, dtype="float16", version=VERSIONS["topk"]):
         self.num_classes = int(num_classes)
         self.k = int(k)
+        self.version = int(version)
+        if self.version not in (1, 2):
+            raise NewerFormatError(f"codec topk version {version} is unknown to this kdcache (it reads 1 and 2): "
+                                   f"upgrade kdcache, or rebuild the cache")
         if not 1 <= self.k <= self.num_classes:
             raise StoreError(f"codec topk:{k} needs 1 <= K <= number of classes ({num_classes}): "
                              f"pick K in that range or use --codec full")
@@ -72,9 +92,12 @@ class TopKCodec:
 
     @property
     def fields(self):
-        return [(schema.TOPK_VALUES, (self.k,), self.dtype),
-                (schema.TOPK_INDICES, (self.k,), self.index_dtype),
-                (schema.TOPK_LSE, (), np.dtype(np.float32))]
+        fields = [(schema.TOPK_VALUES, (self.k,), self.dtype),
+                  (schema.TOPK_INDICES, (self.k,), self.index_dtype),
+                  (schema.TOPK_LSE, (), np.dtype(np.float32))]
+        if self.version >= 2:
+            fields.append((schema.TOPK_LOGTAIL, (), np.dtype(np.float32)))
+        return fields
 
     @property
     def bytes_per_row(self):
@@ -82,8 +105,8 @@ class TopKCodec:
 
     def encode(self, logits, keys=None):
         logits = np.asarray(logits, dtype=np.float32)
-        k = self.k
-        if k < self.num_classes:
+        k, c = self.k, self.num_classes
+        if k < c:
             idx = np.argpartition(-logits, k - 1, axis=1)[:, :k]
         else:
             idx = np.broadcast_to(np.arange(k), logits.shape).copy()
@@ -91,13 +114,22 @@ class TopKCodec:
         order = np.argsort(-vals, axis=1, kind="stable")
         idx = np.take_along_axis(idx, order, axis=1)
         vals = np.take_along_axis(vals, order, axis=1)
-        m = logits.max(axis=1, keepdims=True)
-        lse = (m[:, 0] + np.log(np.exp(logits - m).sum(axis=1))).astype(np.float32)
+        lse = _logsumexp(logits)
         v = vals.astype(self.dtype)
         if self.dtype == np.float16:
             _finite_or_raise(v, keys, "logits overflow float16 (|x| > 65504); use --dtype float32")
-        return {schema.TOPK_VALUES: v, schema.TOPK_INDICES: idx.astype(self.index_dtype),
-                schema.TOPK_LSE: lse}
+        out = {schema.TOPK_VALUES: v, schema.TOPK_INDICES: idx.astype(self.index_dtype),
+               schema.TOPK_LSE: lse.astype(np.float32)}
+        if self.version >= 2:
+            if k < c:
+                tail = logits.copy()
+                np.put_along_axis(tail, idx, -np.inf, axis=1)
+                # log(tail mass) from the tail's own logits: never the difference of two near-equal sums
+                logtail = np.maximum(_logsumexp(tail) - lse, LOGTAIL_NONE)
+            else:
+                logtail = np.full(logits.shape[0], LOGTAIL_NONE)
+            out[schema.TOPK_LOGTAIL] = logtail.astype(np.float32)
+        return out
 
     def decode(self, fields, out=None):
         vals = fields[schema.TOPK_VALUES].astype(np.float32)
@@ -107,25 +139,57 @@ class TopKCodec:
         if out is None:
             out = np.empty((n, c), dtype=np.float32)
         if k < c:
-            # Probability left for the C-K classes not stored, at temperature 1; spread evenly.
-            head = np.exp(vals - lse[:, None]).sum(axis=1)
-            tail = np.clip(1.0 - head, 1e-12, None) / (c - k)
-            out[...] = (lse + np.log(tail))[:, None]
+            if self.version >= 2:
+                logtail = fields[schema.TOPK_LOGTAIL].astype(np.float32)
+            else:
+                logtail = np.log(self._legacy_tail(fields)).astype(np.float32)
+            # The tail mass (at temperature 1), spread evenly over the C-K classes not stored.
+            out[...] = (lse + logtail - np.float32(np.log(c - k)))[:, None]
         np.put_along_axis(out, idx, vals, axis=1)
         return out
 
+    def _legacy_tail(self, fields):
+        """Version 1: the tail mass as 1 - the stored top values' mass, in float64 (tiny where unknown)."""
+        vals = fields[schema.TOPK_VALUES].astype(np.float64)
+        head = np.exp(vals - fields[schema.TOPK_LSE].astype(np.float64)[:, None]).sum(axis=1)
+        return np.clip(1.0 - head, 1e-30, None)
 
-def make_codec(codec, num_classes, dtype="float16"):
-    """Codec object from its spec string: 'full' or 'topk:K'."""
+    def unrecoverable(self, fields):
+        """Rows whose tail mass cannot be rebuilt to within 25% (version 1 files only): rounding the
+        stored values moves their mass by more than a quarter of what is left for the tail."""
+        if self.version >= 2 or self.k >= self.num_classes:
+            return np.zeros(len(fields[schema.TOPK_LSE]), dtype=bool)
+        vals = fields[schema.TOPK_VALUES].astype(np.float64)
+        lse = fields[schema.TOPK_LSE].astype(np.float64)
+        p = np.exp(vals - lse[:, None])
+        slack = (p * (np.abs(vals) * _ROUNDING[self.dtype] + np.abs(lse)[:, None] * 2.0 ** -24)).sum(axis=1)
+        return 1.0 - p.sum(axis=1) <= 4.0 * slack
+
+
+def _logsumexp(x):
+    """log(sum(exp(x))) over axis 1 in float64, for rows that may hold -inf (not all of them)."""
+    x = np.asarray(x, dtype=np.float64)
+    m = x.max(axis=1)
+    m_safe = np.where(np.isfinite(m), m, 0.0)
+    with np.errstate(divide="ignore"):
+        return m_safe + np.log(np.exp(x - m_safe[:, None]).sum(axis=1))
+
+
+def make_codec(codec, num_classes, dtype="float16", version=None):
+    """Codec object from its spec string: 'full' or 'topk:K'; `version`: the codec version a file
+    records (None: the version writers write now)."""
     if dtype not in DTYPES:
         raise StoreError(f"dtype {dtype!r} is not supported: use one of {', '.join(DTYPES)}")
     codec = str(codec).strip().lower()
     if codec == "full":
+        if version not in (None, 1):
+            raise NewerFormatError(f"codec full version {version} is unknown to this kdcache (it reads 1): upgrade "
+                                   f"kdcache, or rebuild the cache")
         return FullCodec(num_classes, dtype)
     if codec.startswith("topk:"):
         try:
             k = int(codec.split(":", 1)[1])
         except ValueError:
             raise StoreError(f"codec {codec!r}: K must be an integer, as in topk:5") from None
-        return TopKCodec(num_classes, k, dtype)
+        return TopKCodec(num_classes, k, dtype, VERSIONS["topk"] if version is None else version)
     raise StoreError(f"codec {codec!r} is unknown: use 'full' or 'topk:K' (for example topk:5)")

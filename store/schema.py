@@ -39,7 +39,8 @@ def lock_name(shard, nshards):
 LOGITS = "logits"               # full codec: raw logits, temperature 1
 TOPK_VALUES = "topk_values"     # topk codec: the K largest logits, descending
 TOPK_INDICES = "topk_indices"   # topk codec: their class indices
-TOPK_LSE = "topk_lse"           # topk codec: log-sum-exp of all C logits (rebuilds the tail mass)
+TOPK_LSE = "topk_lse"           # topk codec: log-sum-exp of all C logits
+TOPK_LOGTAIL = "topk_logtail"   # topk codec (version 2): log of the probability mass of the C-K classes not stored
 DONE = "done"                   # final file: uint8 [N, V], 1 where the row holds the teacher's output
 SEG_KEYS = "keys"               # segment: int64 [rows], flat key of each appended row
 SEG_STATE = "state"             # segment: int64 [STATE_LEN], see STATE_* below
@@ -56,6 +57,7 @@ A_NUM_SAMPLES = "num_samples"
 A_VIEWS = "views"
 A_NUM_CLASSES = "num_classes"
 A_CODEC = "codec"
+A_CODEC_VERSION = "codec_version"  # absent: version 1 (see codec.VERSIONS)
 A_DTYPE = "dtype"
 A_TOOL_VERSION = "tool_version"
 A_CREATED = "created"           # ISO 8601, UTC

@@ -2,6 +2,9 @@
 import dataclasses
 import datetime
 import json
+import numbers
+
+import numpy as np
 
 from . import schema
 from .codec import make_codec
@@ -25,24 +28,30 @@ class CacheSpec:
     codec: str = "full"
     dtype: str = "float16"
     inputs: dict = dataclasses.field(default_factory=dict)
+    codec_version: int = None  # None: the version writers write now; a file's own from its metadata
 
     def __post_init__(self):
         for name in ("num_samples", "num_classes", "views"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise StoreError(f"{name} must be a positive integer, got {v!r}")
-        self.make_codec()  # validates codec and dtype
+        if self.codec_version is None:
+            object.__setattr__(self, "codec_version", make_codec(self.codec, self.num_classes, self.dtype).version)
+        self.make_codec()  # validates codec, dtype and codec version
 
     def make_codec(self):
-        return make_codec(self.codec, self.num_classes, self.dtype)
+        return make_codec(self.codec, self.num_classes, self.dtype, self.codec_version)
 
     @property
     def num_keys(self):
         return self.num_samples * self.views
 
     def fingerprint_inputs(self):
-        return {"inputs": self.inputs, "num_samples": self.num_samples, "views": self.views,
-                "num_classes": self.num_classes, "codec": self.make_codec().spec, "dtype": self.dtype}
+        out = {"inputs": self.inputs, "num_samples": self.num_samples, "views": self.views,
+               "num_classes": self.num_classes, "codec": self.make_codec().spec, "dtype": self.dtype}
+        if self.codec_version != 1:  # version 1 caches keep the fingerprints they were made with
+            out["codec_version"] = self.codec_version
+        return out
 
     @property
     def fingerprint(self):
@@ -58,6 +67,7 @@ class CacheSpec:
             schema.A_VIEWS: self.views,
             schema.A_NUM_CLASSES: self.num_classes,
             schema.A_CODEC: self.make_codec().spec,
+            schema.A_CODEC_VERSION: self.codec_version,
             schema.A_DTYPE: self.dtype,
             schema.A_TOOL_VERSION: TOOL_VERSION,
             schema.A_CREATED: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -71,4 +81,11 @@ class CacheSpec:
             inputs = json.loads(meta[schema.A_INPUTS])
         return cls(num_samples=int(meta[schema.A_NUM_SAMPLES]), num_classes=int(meta[schema.A_NUM_CLASSES]),
                    views=int(meta[schema.A_VIEWS]), codec=str(meta[schema.A_CODEC]),
-                   dtype=str(meta[schema.A_DTYPE]), inputs=inputs)
+                   dtype=str(meta[schema.A_DTYPE]), inputs=inputs,
+                   codec_version=_version(meta.get(schema.A_CODEC_VERSION, 1)))
+
+
+def _version(v):
+    if not isinstance(v, numbers.Integral) or isinstance(v, (bool, np.bool_)) or v < 1:
+        raise StoreError(f"attribute {schema.A_CODEC_VERSION} is {v!r}, not a positive integer")
+    return int(v)

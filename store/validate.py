@@ -12,7 +12,7 @@ import h5py
 import numpy as np
 
 from . import schema
-from .errors import FingerprintMismatchError, StoreError, UnsupportedFormatError
+from .errors import FingerprintMismatchError, NewerFormatError, StoreError, UnsupportedFormatError
 from .fingerprint import is_fingerprint
 from .osutil import available_memory
 
@@ -67,6 +67,8 @@ def spec_from_meta(meta, where, *, name=None):
     try:
         spec = CacheSpec.from_meta({**meta, "inputs": inputs})
         fp = spec.fingerprint
+    except NewerFormatError as e:
+        raise NewerFormatError(f"{where}: {e}") from None
     except (StoreError, ValueError, TypeError, KeyError) as e:
         raise bad(where, f"metadata invalid ({str(e).splitlines()[0][:200]})") from None
     if fp != meta[schema.A_FINGERPRINT]:
@@ -121,6 +123,25 @@ def check_final(f, path, spec):
             raise bad(path, f"dataset {name} is compressed or filtered; kdcache writes plain datasets")
         if d.id.get_storage_size() < d.size * d.dtype.itemsize:
             raise bad(path, f"dataset {name} was never (fully) written")
+    check_tail(f, path, spec)
+
+
+def check_tail(f, path, spec, *, block=65536):
+    """A top-k file of codec version 1 (no stored tail) is read only when every row's tail can be
+    rebuilt from its stored values (codec.TopKCodec.unrecoverable); otherwise it is refused."""
+    codec = spec.make_codec()
+    if codec.name != "topk" or codec.version != 1 or codec.k >= codec.num_classes:
+        return
+    n, lost = spec.num_samples, 0
+    step = max(1, block // spec.views)
+    for a in range(0, n, step):
+        rows = {name: f[name][a:a + step].reshape((-1,) + tuple(shape))
+                for name, shape, _ in codec.fields if name in (schema.TOPK_VALUES, schema.TOPK_LSE)}
+        lost += int(codec.unrecoverable(rows).sum())
+    if lost:
+        raise bad(path, f"{lost:,} of {spec.num_keys:,} rows of this top-k cache (codec version 1, written before "
+                        f"kdcache stored the tail's mass) lost their tail to float16 rounding",
+                  fix="remove it (kdcache gc removes it) and rebuild it: the codec now stores the tail")
 
 
 def check_segment(f, path, spec):

@@ -320,7 +320,7 @@ def test_segments_hold_only_chunked_datasets(cache_dir):
     with h5py.File(w.segment_path, "r", swmr=True) as f:
         assert f.attrs[schema.A_KIND] == schema.KIND_SEGMENT
         assert sorted(f) == sorted([schema.SEG_KEYS, schema.SEG_STATE, schema.TOPK_VALUES,
-                                    schema.TOPK_INDICES, schema.TOPK_LSE])
+                                    schema.TOPK_INDICES, schema.TOPK_LSE, schema.TOPK_LOGTAIL])
         for name in f:
             assert f[name].chunks is not None, name
     w.abort()

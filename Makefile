@@ -70,8 +70,9 @@ test: setup  ## run every test (slow ones included), as CI does
 test-fast: setup  ## run the tests not marked slow
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS) tests
 
-torture: setup  ## the long fault runs: 20 kills of the producer, a 60 s soak, every fault test
-	KDCACHE_TORTURE=1 $(PY) -m pytest -q $(PYTEST_ARGS) tests/test_faults.py tests/test_store_mp.py
+torture: setup  ## the long fault runs: 20 kills of the producer, a 60 s soak, every fault test (crashes, compaction kills, hostile files and rings)
+	KDCACHE_TORTURE=1 $(PY) -m pytest -q $(PYTEST_ARGS) tests/test_faults.py tests/test_store_mp.py \
+		tests/test_compact_crash.py tests/test_store_trust.py tests/test_ring_trust.py tests/test_identity.py
 
 bench: setup  ## every benchmark side by side: KD scenarios, store, producer, ImageNet sizing (QUICK=1: short runs)
 	$(PY) -m bench.kd $(if $(QUICK),--quick)

@@ -161,12 +161,12 @@ def recorded_inputs(args, inputs):
     """(data set, augmentation, augmentation seed) as the cache records them; the data set must be
     the same one (its identity: name, split, length, content digest)."""
     from pipeline.augment import Augment
-    from pipeline.datasets import DATASETS, load_dataset
+    from pipeline.datasets import BUILTIN, DATASETS, load_dataset
     rec = inputs.get("dataset")
     if not isinstance(rec, dict) or rec.get("name") not in DATASETS:
         raise Refused(f"the cache records data set {rec!r}, which kdcache cannot load: no teacher check "
                       f"possible; drop --teacher")
-    builtin = rec["name"] in ("digits", "synthetic")
+    builtin = rec["name"] in BUILTIN
     if builtin and args.data_root is not None:
         raise Refused(f"argument --data-root: the cache's data set {rec['name']} is built in and reads no files; "
                       f"drop --data-root")

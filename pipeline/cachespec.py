@@ -11,7 +11,7 @@ from .augment import Augment
 PRODUCER_VERSION = 1
 
 # Augmentation used when --views > 1 and none is named.
-DEFAULT_AUGMENT = {"digits": "crop:1", "mnist": "crop:2", "fashion-mnist": "crop:2,flip"}
+DEFAULT_AUGMENT = {"digits": "crop:1", "mnist": "crop:2", "mnist5k": "crop:2", "fashion-mnist": "crop:2,flip"}
 DEFAULT_AUGMENT_IMAGES = "crop:4,flip"
 
 

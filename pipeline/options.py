@@ -51,7 +51,7 @@ class AugmentSpec(Allowed):
 
 
 class DatasetSpec(Allowed):
-    """digits | synthetic[:n=N,classes=K,shape=CxHxW,seed=S] | mnist | fashion-mnist | cifar10 | cifar100 | npz |
+    """digits | mnist5k | synthetic[:n=N,classes=K,shape=CxHxW,seed=S] | mnist | fashion-mnist | cifar10 | cifar100 | npz |
     recordio | imagefolder (the files are checked when the data set loads)."""
 
     def __call__(self, s):

@@ -177,3 +177,7 @@ def test_teacher_then_train_end_to_end_from_a_fresh_directory(tmp_path):
         assert r.complete and r.progress == 1.0
     v = kdcache("verify", out["cache_path"])
     assert "sound" in v.stdout
+    # and against its teacher: the built-in data set is rebuilt from the installed file, no --data-root
+    t = kdcache("verify", out["cache_path"], "--teacher", "teachers/mnist5k", "--sample", "64", "--json")
+    check = json.loads(t.stdout)["teacher_check"]
+    assert check["match"] and check["keys_checked"] == 64 and check["top1_agreement"] == 1.0, check

@@ -393,17 +393,3 @@ def test_a_producer_resuming_while_gc_renames_its_cache_aside_starts_again_clean
     with CacheReader(base, spec=spec) as r:
         assert np.array_equal(r.get(np.arange(spec.num_samples)), expected_logits(np.arange(spec.num_samples), 10))
 
-
-@pytest.mark.slow
-def test_gc_of_a_damaged_final_keeps_the_segments_beside_it(small, tmp_path):
-    """A crash after the rename leaves the segments beside the finished file; if that file is then
-    damaged, gc removes it and keeps the segments: the next tool compacts them again, no row lost."""
-    d, spec, r = crash(small, tmp_path, SMALL, "renamed")
-    assert r.returncode == -signal.SIGKILL and what_is_left(d)["parts"]
-    fin = os.path.join(d, spec.fingerprint + ".h5")
-    with h5py.File(fin, "r+") as f:
-        f.attrs[schema.A_COMPLETE] = 0  # a finished file no reader may trust
-    r = store_cli("gc", "--cache-dir", d, "--min-age", "0")
-    assert r.returncode == 0 and "damaged" in r.stdout, r.stdout + r.stderr
-    assert not os.path.exists(fin) and what_is_left(d)["parts"]
-    after_every_tool(d, spec, SMALL, "ls", np.arange(spec.num_keys))

@@ -21,15 +21,15 @@ DEFAULT_TEACHER = DEFAULT_TEACHERS["digits"]
 
 
 class Codec(Allowed):
-    """full | topk:K with K from 1 to the class count."""
+    """full | topk:K with K from 1 to the class count | int8."""
 
     def __call__(self, s):
         v = str(s).strip().lower()
-        if v == "full":
+        if v in ("full", "int8"):
             return v
         m = re.fullmatch(r"topk:(\d+)", v)
         if not m or int(m.group(1)) < 1:
-            fail(f"{s!r}: use full or topk:K with K an integer >= 1, e.g. topk:5")
+            fail(f"{s!r}: use full, topk:K with K an integer >= 1 (e.g. topk:5) or int8")
         return f"topk:{int(m.group(1))}"
 
 
@@ -138,10 +138,11 @@ SHARED = [
            group=CACHE, make="CACHE_DIR"),
     Option("--cache", "explicit cache path instead of <cache-dir>/<fingerprint>", type=CachePath(), metavar="PATH",
            group=CACHE),
-    Option("--codec", "full (raw logits) | topk:K (the K largest logits and the tail's mass)", type=Codec(),
-           default="full", metavar="CODEC", group=CACHE, make="CODEC"),
-    Option("--dtype", "storage type of the logits", choices=("float16", "float32"), default="float16",
-           group=CACHE),
+    Option("--codec", "full (raw logits) | topk:K (the K largest logits and the tail's mass) | int8 (every logit "
+           "in 8 bits over the row's range)", type=Codec(), default="full", metavar="CODEC", group=CACHE,
+           make="CODEC"),
+    Option("--dtype", "storage type of the logits (full, topk:K; int8 stores 8-bit codes and takes float16 only)",
+           choices=("float16", "float32"), default="float16", group=CACHE),
     Option("--epochs", "epochs of the training schedule", type=Int(1, 100000), default=30, metavar="E",
            group=SCHEDULE, make="EPOCHS"),
     Option("--batch-size", "training batch = teacher batch", type=Int(1, 1 << 20), default=64, metavar="B",
@@ -185,7 +186,7 @@ def resolve_teacher(args, parser=None):
 
 
 def check_applies(args, parser):
-    """An option the data set would ignore is a mistake, not a silent no-op."""
+    """An option the data set (or the codec) would ignore is a mistake, not a silent no-op."""
     base = args.dataset.split(":", 1)[0].lower()
     for dest, flag, where, fix in (
             ("data_root", "--data-root", ("mnist", "fashion-mnist", "cifar10", "cifar100", "npz", "recordio",
@@ -196,6 +197,9 @@ def check_applies(args, parser):
              f"--dataset {base} knows its classes")):
         if getattr(args, dest) is not None and base not in where:
             parser.error(f"argument {flag}: {fix}; drop {flag}")
+    if args.codec == "int8" and args.dtype != "float16":
+        parser.error(f"argument --dtype: codec int8 stores 8-bit codes (with a float32 offset and scale per row) "
+                     f"whatever the dtype; drop --dtype {args.dtype}, or use --codec full --dtype {args.dtype}")
 
 
 def check_views(args, parser):

@@ -9,6 +9,11 @@
   exact. The tail is stored as a logarithm computed from the tail's own logits: no rounding of
   the stored top values can make it negative, and a tail of 1e-30 keeps its size (it decides
   the soft targets at a high temperature).
+* ``int8``    -- every logit in 8 bits: codes q = round((x - lo) / scale) (uint8) with the row's
+  offset lo = min(x) and step scale = (max(x) - min(x)) / 255 (both float32): C + 8 bytes per
+  row, each logit decoded as lo + q * scale to within scale / 2. The codes are 8-bit whatever
+  the dtype: int8 takes the default dtype, float16, only (float32 would name a second cache of
+  the same bytes); unlike float16 it never overflows.
 
 Codec versions: ``topk`` version 1 (files written before the log-tail existed) stored no tail;
 its reader rebuilds the tail as 1 - (the stored top values' mass), in float64, for the rows
@@ -21,7 +26,7 @@ from . import schema
 from .errors import BadInputError, NewerFormatError, StoreError
 
 DTYPES = ("float16", "float32")
-VERSIONS = {"full": 1, "topk": 2}  # the version of each codec that writers write
+VERSIONS = {"full": 1, "topk": 2, "int8": 1}  # the version of each codec that writers write
 LOGTAIL_NONE = -1.0e4  # topk_logtail of a row without a tail (K = C): exp() of it is 0 at any temperature
 # Relative rounding of a stored value (half an ulp): float16, float32.
 _ROUNDING = {np.dtype(np.float16): 2.0 ** -11, np.dtype(np.float32): 2.0 ** -24}
@@ -166,6 +171,57 @@ class TopKCodec:
         return 1.0 - p.sum(axis=1) <= 4.0 * slack
 
 
+class Int8Codec:
+    """Each row's C logits as uint8 codes over [min, max] of the row (255 steps), with that offset
+    and step in float32: the rounding error is at most half a step, for every class."""
+    name = "int8"
+    version = 1
+    LEVELS = 255
+
+    def __init__(self, num_classes, dtype="float16"):
+        self.num_classes = int(num_classes)
+        if np.dtype(dtype) != np.float16:
+            name = np.dtype(dtype).name
+            raise StoreError(f"codec int8 stores 8-bit codes with a float32 offset and scale per row, whatever the "
+                             f"dtype: dtype {name} does not apply to it; leave the dtype at its default (float16), "
+                             f"or use codec full with dtype {name}")
+        self.dtype = np.dtype(dtype)  # recorded in the metadata; the rows are uint8 codes
+        self.spec = "int8"
+
+    @property
+    def fields(self):
+        return [(schema.INT8_CODES, (self.num_classes,), np.dtype(np.uint8)),
+                (schema.INT8_LO, (), np.dtype(np.float32)),
+                (schema.INT8_SCALE, (), np.dtype(np.float32))]
+
+    @property
+    def bytes_per_row(self):
+        return sum(int(np.prod(s)) * np.dtype(d).itemsize for _, s, d in self.fields)
+
+    def encode(self, logits, keys=None):
+        x = np.asarray(logits, dtype=np.float64)
+        _finite_or_raise(x, keys, "codec int8")
+        lo = x.min(axis=1).astype(np.float32)
+        # the step from the float32 offset, in float64 (max - min of float32 values may overflow float32)
+        scale = ((x.max(axis=1) - lo) / self.LEVELS).astype(np.float32)
+        step = np.where(scale > 0, scale, 1.0).astype(np.float64)  # a constant row: every code 0, scale 0
+        q = np.rint((x - lo[:, None].astype(np.float64)) / step[:, None])
+        return {schema.INT8_CODES: np.clip(q, 0, self.LEVELS).astype(np.uint8), schema.INT8_LO: lo,
+                schema.INT8_SCALE: scale}
+
+    def decode(self, fields, out=None):
+        lo = fields[schema.INT8_LO].astype(np.float64)[:, None]
+        scale = fields[schema.INT8_SCALE].astype(np.float64)[:, None]
+        x = lo + fields[schema.INT8_CODES] * scale  # in float64: lo + 255 * scale may pass float32's range
+        if out is None:
+            return x.astype(np.float32)
+        out[...] = x
+        return out
+
+    def unrecoverable(self, fields):
+        return np.zeros(len(fields[schema.INT8_LO]), dtype=bool)
+
+
 def _logsumexp(x):
     """log(sum(exp(x))) over axis 1 in float64, for rows that may hold -inf (not all of them)."""
     x = np.asarray(x, dtype=np.float64)
@@ -176,8 +232,8 @@ def _logsumexp(x):
 
 
 def make_codec(codec, num_classes, dtype="float16", version=None):
-    """Codec object from its spec string: 'full' or 'topk:K'; `version`: the codec version a file
-    records (None: the version writers write now)."""
+    """Codec object from its spec string: 'full', 'topk:K' or 'int8'; `version`: the codec version a
+    file records (None: the version writers write now)."""
     if dtype not in DTYPES:
         raise StoreError(f"dtype {dtype!r} is not supported: use one of {', '.join(DTYPES)}")
     codec = str(codec).strip().lower()
@@ -192,4 +248,9 @@ def make_codec(codec, num_classes, dtype="float16", version=None):
         except ValueError:
             raise StoreError(f"codec {codec!r}: K must be an integer, as in topk:5") from None
         return TopKCodec(num_classes, k, dtype, VERSIONS["topk"] if version is None else version)
-    raise StoreError(f"codec {codec!r} is unknown: use 'full' or 'topk:K' (for example topk:5)")
+    if codec == "int8":
+        if version not in (None, 1):
+            raise NewerFormatError(f"codec int8 version {version} is unknown to this kdcache (it reads 1): upgrade "
+                                   f"kdcache, or rebuild the cache")
+        return Int8Codec(num_classes, dtype)
+    raise StoreError(f"codec {codec!r} is unknown: use 'full', 'topk:K' (for example topk:5) or 'int8'")

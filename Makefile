@@ -33,6 +33,9 @@ KDCACHE := $(VENV)/bin/kdcache
 TEACHER_DATASETS := digits mnist5k
 DEFAULT_TEACHER = teachers/$(or $(DATASET),digits)
 
+# bench.codecs distils from the default teachers of digits and mnist5k: built here when missing.
+CODEC_TEACHERS = $(TEACHER_DATASETS:%=teachers/%-symbol.json)
+
 # opt(VARIABLE, FLAG): the flag and the variable's value when the variable is set.
 opt = $(if $($(1)),$(2) $($(1)))
 # The options both sides share (pipeline.options.SHARED): the producer and the trainer derive the
@@ -49,7 +52,7 @@ TEACHER_DEP = $(if $(TEACHER),,$(DEFAULT_TEACHER_FILE))
 
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: help options setup test test-fast torture bench bench-kd bench-store bench-producer bench-sizing caches verify teacher cache cache-online train train-dist clean
+.PHONY: help options setup test test-fast torture bench bench-kd bench-store bench-producer bench-sizing bench-codecs caches verify teacher cache cache-online train train-dist clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s "$$(printf '\t')"
@@ -74,11 +77,12 @@ torture: setup  ## the long fault runs: 20 kills of the producer, a 60 s soak, e
 	KDCACHE_TORTURE=1 $(PY) -m pytest -q $(PYTEST_ARGS) tests/test_faults.py tests/test_store_mp.py \
 		tests/test_compact_crash.py tests/test_store_trust.py tests/test_ring_trust.py tests/test_identity.py
 
-bench: setup  ## every benchmark side by side: KD scenarios, store, producer, ImageNet sizing (QUICK=1: short runs)
+bench: setup $(CODEC_TEACHERS)  ## every benchmark side by side: KD scenarios, store, producer, ImageNet sizing, codecs (QUICK=1: short runs)
 	$(PY) -m bench.kd $(if $(QUICK),--quick)
 	$(PY) -m bench.store $(if $(QUICK),--quick)
 	$(PY) -m bench.producer $(if $(QUICK),--quick)
 	$(PY) -m bench.sizing $(if $(QUICK),--quick)
+	$(PY) -m bench.codecs $(if $(QUICK),--quick)
 
 bench-kd: setup  ## KD scenarios: student alone, inline, online, warm cache, ring (QUICK=1 for a short run)
 	$(PY) -m bench.kd $(if $(QUICK),--quick)
@@ -88,6 +92,9 @@ bench-producer: setup  ## producer overhead vs the bare teacher, and 2 shards vs
 
 bench-sizing: setup  ## ImageNet-1k sizing: bytes per view per codec, model-zoo teachers' images/s per core
 	$(PY) -m bench.sizing $(if $(QUICK),--quick)
+
+bench-codecs: setup $(CODEC_TEACHERS)  ## soft-target codecs (full, topk:K, int8): distance to the teacher and students distilled from each (QUICK=1 for a short run)
+	$(PY) -m bench.codecs $(if $(QUICK),--quick)
 
 bench-store: setup  ## store micro-benchmarks: gather, write order, codec sizes (QUICK=1 for a short run)
 	$(PY) -m bench.store $(if $(QUICK),--quick)

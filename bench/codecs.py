@@ -1,0 +1,317 @@
+"""Which soft-target codec keeps the teacher's knowledge? Each codec against the teacher's logits, and in a student.
+
+    python -m bench.codecs [--quick] [--datasets digits,mnist5k,synthetic] [--seeds 5] [--jobs 2]
+
+For each data set (digits, mnist5k, and a synthetic 1000-class case) the teacher fills one cache
+per codec (`python -m cache_builder`, offline): full float32 (the teacher's exact logits), full
+float16, topk:1, topk:5, topk:10 (only where K < C) and int8. Each cache is read back through
+the store and compared with the exact logits: bytes per row, mean T^2 * KL(teacher || rebuilt)
+at T = 1, 4 and 20 (for top-K beside the ideal top-K with an even tail made from the exact
+logits, and their ratio), top-1 agreement. Then the same student (`python -m trainer`, mlp128,
+the README's digits setting: T = 20, alpha = 0.5, Adam lr 1e-2, batch 64) is trained from each
+cache with seeds 0..N-1 and the same budget, beside the student from scratch (no teacher); on
+mnist5k also with the teacher inline, for the Hinton-style table (teacher, scratch, inline, cache,
+teacher forwards, and the fraction of the scratch-to-teacher gap distillation closes).
+
+The synthetic case is synthetic:n=10000,classes=1000,shape=1x4x4: class prototypes plus Gaussian
+noise (pipeline.datasets). Its teacher is that generator's own posterior, a fixed linear map
+(bench.codec_metrics.posterior_teacher), not a network trained here: it knows more than the
+student's 10 samples per class can show (as a teacher trained on far more data would), its
+soft targets are the true class probabilities, and its accuracy (~64%) is the best any model can
+reach on this data. A random linear teacher would know nothing of the labels.
+
+Every MXNet process is a child with one compute thread (OMP_NUM_THREADS=1, --threads 1); --jobs
+of them run at once. Accuracies do not depend on other load; run times do. Full run ~15-25 min on
+2 cores, --quick (1 seed, a few epochs) ~2-3 min.
+"""
+import os
+import sys
+
+if __package__ in (None, ""):  # run as a file: import the repository's packages
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+from bench.common import limit_threads  # noqa: E402
+
+limit_threads(os.environ)  # before anything loads MXNet or BLAS: one compute thread here, as in every child
+
+import shutil  # noqa: E402
+import time  # noqa: E402
+
+from bench.cli import RUN, like, out_option, parse_args, quick_option, tmp_option, trainer_option  # noqa: E402
+from bench.common import (BenchError, Children, cpu_between, cpu_snapshot, machine, make_log,  # noqa: E402
+                          python_m, scratch_dir, spread, utc_now, write_report)
+from kdcache.args import Allowed, Int, Option, Path, fail  # noqa: E402
+
+DEFAULT_OUT = os.path.join("bench", "results", "codecs.json")
+SYNTHETIC = {"n": 10000, "classes": 1000, "shape": (1, 4, 4), "seed": 0}
+SYNTHETIC_ARG = "synthetic:n={n},classes={classes},shape={s[0]}x{s[1]}x{s[2]},seed={seed}".format(
+    **SYNTHETIC, s=SYNTHETIC["shape"])
+# name: (--dataset, default teacher name or None for the synthetic posterior, epochs, --quick epochs)
+DATASETS = {"digits": ("digits", "digits", 30, 5), "mnist5k": ("mnist5k", "mnist5k", 20, 3),
+            "synthetic": (SYNTHETIC_ARG, None, 10, 2)}
+# label, --codec, --dtype; topk:K only where K < C
+CODECS = [("full/float32", "full", "float32"), ("full/float16", "full", "float16"), ("topk:1", "topk:1", "float16"),
+          ("topk:5", "topk:5", "float16"), ("topk:10", "topk:10", "float16"), ("int8", "int8", "float16")]
+EXACT = "full/float32"
+STUDENT = {"student": "mlp128", "lr": 1e-2, "batch_size": 64, "temperature": 20.0, "alpha": 0.5}
+HINTON = "mnist5k"  # the data set of the Hinton-style table (inline KD runs there only)
+QUICK_TEACHER_EPOCHS = 5
+
+log = make_log("codecs")
+
+
+class DatasetList(Allowed):
+    """digits, mnist5k and synthetic (the 1000-class case), separated by commas."""
+
+    def __call__(self, s):
+        names = [v.strip().lower() for v in str(s).split(",") if v.strip()]
+        bad = [n for n in names if n not in DATASETS]
+        if not names or bad:
+            fail(f"{s!r}: name one or more of {', '.join(DATASETS)}, separated by commas")
+        return tuple(n for n in DATASETS if n in names)  # the table's order, each once
+
+    format = staticmethod(",".join)
+
+
+OPTIONS = [
+    Option("--datasets", "data sets (default: all three)", type=DatasetList(), metavar="LIST", group=RUN),
+    Option("--seeds", "student seeds 0..N-1 (default 5; --quick 1)", type=Int(1, 100), metavar="N", group=RUN),
+    Option("--jobs", "children run at once, one thread each (default: the usable cores)", type=Int(1, 64),
+           metavar="N", group=RUN),
+    Option("--teachers", "where the digits and mnist5k teachers are (default teachers, as `make teacher` builds "
+           "them); a missing one is trained into the work directory", type=Path(exists=True), metavar="DIR",
+           group=RUN),
+    like(trainer_option("temperature"), f"the students' KD temperature (default {STUDENT['temperature']:g}, the "
+         f"README's digits setting)", group=RUN),
+    like(trainer_option("alpha"), f"weight of the soft term (default {STUDENT['alpha']:g})", group=RUN),
+    quick_option(f"1 seed, a few epochs, a {QUICK_TEACHER_EPOCHS}-epoch teacher where one is missing (~2-3 min)"),
+    out_option(DEFAULT_OUT, "JSON report"),
+    tmp_option("work directory for teachers, caches and runs (default: a new temporary directory, removed at the "
+               "end; a directory given here is kept)"),
+]
+
+
+def codecs_for(classes):
+    return [c for c in CODECS if not c[1].startswith("topk:") or int(c[1].split(":")[1]) < classes]
+
+
+def run_all(kids, jobs, tasks):
+    """Run tasks [(argv, what, timeout, folder to remove after or None)], `jobs` at a time; their results in
+    order. The first failure stops the others and is raised."""
+    from concurrent.futures import ThreadPoolExecutor
+    errors = []
+
+    def one(task):
+        argv, what, timeout, scratch = task
+        if errors:
+            return None
+        try:
+            return kids.run(argv, what, timeout=timeout)
+        except BaseException as e:
+            errors.append(e)
+            for c in list(kids.live.values()):
+                c.kill()
+            raise
+        finally:
+            if scratch:
+                shutil.rmtree(scratch, ignore_errors=True)  # a student's checkpoints: only its metrics are kept
+
+    with ThreadPoolExecutor(max_workers=jobs) as ex:
+        futures = [ex.submit(one, t) for t in tasks]
+        for f in futures:
+            f.exception()  # wait for each
+    if errors:
+        raise errors[0]
+    return [f.result() for f in futures]
+
+
+def teachers(kids, args, names, work):
+    """{data set: (prefix, how it was obtained)}: the default teacher, one trained here, or the posterior."""
+    out = {}
+    for name in names:
+        arg, default, _, _ = DATASETS[name]
+        if default is None:
+            from bench.codec_metrics import posterior_teacher
+            prefix = os.path.join(work, "teachers", name)
+            os.makedirs(os.path.dirname(prefix), exist_ok=True)
+            posterior_teacher(prefix, SYNTHETIC["classes"], SYNTHETIC["shape"], SYNTHETIC["seed"])
+            out[name] = (prefix, "the generator's posterior (linear, not trained)")
+            continue
+        shown = os.path.join(args.teachers or "teachers", default)
+        prefix = os.path.abspath(shown)
+        if os.path.exists(prefix + "-symbol.json"):
+            out[name] = (prefix, f"{shown} (`make teacher DATASET={name}`)")
+            continue
+        prefix = os.path.join(work, "teachers", name)
+        epochs = ["--epochs", QUICK_TEACHER_EPOCHS] if args.quick else []
+        log(f"no {name} teacher at {shown}: training one here ({'quick' if args.quick else 'its recipe'})")
+        kids.run(python_m("trainer.make_teacher", "--dataset", arg, "--out", prefix, "--threads", 1, "--quiet",
+                          *epochs), f"training the {name} teacher", timeout=1800, json_line=False)
+        out[name] = (prefix, f"trained here ({'quick, ' if args.quick else ''}make_teacher's recipe"
+                             f"{f', {QUICK_TEACHER_EPOCHS} epochs' if args.quick else ''})")
+    return out
+
+
+def fill(name, arg, prefix, codec, dtype, caches, split="train"):
+    return (python_m("cache_builder", "--teacher", prefix, "--dataset", arg, "--codec", codec, "--dtype", dtype,
+                     "--split", split, "--cache-dir", caches, "--threads", 1, "--quiet", "--json"),
+            f"{name} {split} cache {codec} {dtype}", 900, None)
+
+
+def student(name, arg, prefix, mode, seed, epochs, work, kd, codec=None, dtype=None):
+    run = f"{name}-{mode}-{(codec or '').replace(':', '')}{dtype or ''}-seed{seed}"
+    argv = python_m("trainer", "--dataset", arg, "--teacher-mode", mode, "--student", STUDENT["student"],
+                    "--epochs", epochs, "--lr", repr(STUDENT["lr"]), "--batch-size", STUDENT["batch_size"],
+                    "--temperature", repr(kd["temperature"]), "--alpha", repr(kd["alpha"]),
+                    "--seed", seed, "--threads", 1, "--quiet", "--json", "--runs-dir", os.path.join(work, "runs"),
+                    "--cache-dir", os.path.join(work, "caches"), "--run", run)
+    if mode != "none":
+        argv += ["--teacher", prefix]
+    if mode == "cache":
+        argv += ["--codec", codec, "--dtype", dtype, "--no-producer"]
+    what = " ".join(str(w) for w in (name, "student", mode, codec, dtype, "seed", seed) if w is not None)
+    return argv, what, 1800, os.path.join(work, "runs", run)
+
+
+def read_all(path):
+    import numpy as np
+
+    from store import CacheReader
+    with CacheReader(path) as r:
+        return r.get(np.arange(r.spec.num_samples)), r.codec.bytes_per_row, r.spec.num_samples
+
+
+def distances(name, fills):
+    """Per codec: bytes per row, T^2 * KL to the exact logits (and the ideal top-K), top-1 agreement."""
+    from bench.codec_metrics import codec_distances
+    z, _, n = read_all(fills[EXACT]["cache_path"])
+    out = {}
+    for label, res in fills.items():
+        r, bpr, _ = read_all(res["cache_path"])
+        k = int(label.split(":")[1]) if label.startswith("topk:") else None
+        out[label] = {"bytes_per_row": bpr, "bytes_on_disk_per_row": round(os.path.getsize(res["cache_path"]) / n, 1),
+                      **codec_distances(z, r, k)}
+        log(f"{name} {label}: T^2*KL " + ", ".join(f"T={t} {v:.3g}" for t, v in out[label]["kl"].items()))
+    return out, n, z.shape[1]
+
+
+def summary(results):
+    accs = [m["test_acc"] for m in results]
+    s = spread(accs)
+    return {"accs": accs, "mean": s["mean"], "std": s["std"], "min": s["min"], "max": s["max"],
+            "teacher_forwards": sum(m["teacher_forwards"] for m in results),
+            "wall_s": [round(m["_wall_s"], 1) for m in results]}
+
+
+def run(kids, args, p, work):
+    names = p["datasets"]
+    seeds = list(range(p["seeds"]))
+    caches = os.path.join(work, "caches")
+    t0 = time.perf_counter()
+    got = teachers(kids, args, names, work)
+    step_s = {"teachers": round(time.perf_counter() - t0, 1)}
+
+    from pipeline.datasets import load_dataset
+    plan = {}
+    for name in names:
+        arg = DATASETS[name][0]
+        train, test = load_dataset(arg, split="train"), load_dataset(arg, split="test")
+        plan[name] = {"arg": arg, "classes": train.num_classes, "n_train": len(train), "n_test": len(test),
+                      "codecs": codecs_for(train.num_classes), "epochs": DATASETS[name][3 if args.quick else 2]}
+
+    t0 = time.perf_counter()
+    tasks, keys = [], []
+    for name in names:
+        prefix, arg = got[name][0], plan[name]["arg"]
+        for label, codec, dtype in plan[name]["codecs"]:
+            tasks.append(fill(name, arg, prefix, codec, dtype, caches))
+            keys.append((name, label))
+        tasks.append(fill(name, arg, prefix, "full", "float32", caches, split="test"))  # the trainer's teacher accuracy
+        keys.append((name, "test"))
+    log(f"filling {len(tasks)} caches, {p['jobs']} at a time")
+    fills = {name: {} for name in names}
+    for (name, label), res in zip(keys, run_all(kids, p["jobs"], tasks)):
+        fills[name][label] = res
+    step_s["fills"] = round(time.perf_counter() - t0, 1)
+
+    t0 = time.perf_counter()
+    metrics = {}
+    for name in names:
+        train_fills = {k: v for k, v in fills[name].items() if k != "test"}
+        metrics[name], _, _ = distances(name, train_fills)
+    step_s["distances"] = round(time.perf_counter() - t0, 1)
+
+    t0 = time.perf_counter()
+    tasks, keys = [], []
+    for name in reversed(names):  # the slowest data set first: the last jobs are then short
+        prefix, arg, epochs = got[name][0], plan[name]["arg"], plan[name]["epochs"]
+        for seed in seeds:
+            tasks.append(student(name, arg, prefix, "none", seed, epochs, work, p))
+            keys.append((name, "scratch"))
+            if name == HINTON:
+                tasks.append(student(name, arg, prefix, "inline", seed, epochs, work, p))
+                keys.append((name, "inline"))
+            for label, codec, dtype in plan[name]["codecs"]:
+                tasks.append(student(name, arg, prefix, "cache", seed, epochs, work, p, codec, dtype))
+                keys.append((name, label))
+    log(f"training {len(tasks)} students, {p['jobs']} at a time")
+    done = {name: {} for name in names}
+    for (name, label), res in zip(keys, run_all(kids, p["jobs"], tasks)):
+        done[name].setdefault(label, []).append(res)
+    step_s["students"] = round(time.perf_counter() - t0, 1)
+
+    report = {"settings": {**STUDENT, "temperature": p["temperature"], "alpha": p["alpha"], "seeds": seeds,
+                           "threads": 1, "jobs": p["jobs"], "views": 1, "wd": 1e-4, "synthetic": SYNTHETIC_ARG},
+              "datasets": {}, "step_s": step_s}
+    for name in names:
+        students = {label: summary(rs) for label, rs in done[name].items()}
+        teacher_acc = next(r["teacher_test_acc"] for r in done[name][EXACT])
+        rows = {}
+        for label, codec, dtype in plan[name]["codecs"]:
+            rows[label] = {"codec": codec, "dtype": dtype, **metrics[name][label], "student": students[label],
+                           "fingerprint": fills[name][label]["fingerprint"],
+                           "teacher_forwards": fills[name][label]["teacher_forwards"]}
+        report["datasets"][name] = {
+            "dataset": plan[name]["arg"], "classes": plan[name]["classes"], "n_train": plan[name]["n_train"],
+            "n_test": plan[name]["n_test"], "epochs": plan[name]["epochs"],
+            "teacher": {"prefix": got[name][0], "source": got[name][1], "test_acc": teacher_acc},
+            "codecs": rows, "scratch": students["scratch"], **({"inline": students["inline"]} if "inline" in students
+                                                                 else {})}
+    return report
+
+
+def main(argv=None):
+    from bench.codecs_report import floors, hinton, print_report
+    ap, args = parse_args("python -m bench.codecs", __doc__.split("\n\n")[0], OPTIONS, argv, default_out=DEFAULT_OUT)
+    if args.teachers is not None and not os.path.isdir(args.teachers):
+        ap.error(f"argument --teachers: {args.teachers} is not a folder")
+    p = {"datasets": args.datasets or tuple(DATASETS), "seeds": args.seeds or (1 if args.quick else 5),
+         "jobs": args.jobs or len(os.sched_getaffinity(0)),
+         "temperature": STUDENT["temperature"] if args.temperature is None else args.temperature,
+         "alpha": STUDENT["alpha"] if args.alpha is None else args.alpha}
+    t_start, snap = time.perf_counter(), cpu_snapshot()
+    work = scratch_dir(args.tmp, "kdcache-codecs-")
+    kids = Children()
+    try:
+        report = run(kids, args, p, work)
+    except BenchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        kids.stop_all()
+        if not args.tmp:
+            shutil.rmtree(work, ignore_errors=True)
+    report.update(runtime_s=round(time.perf_counter() - t_start, 1), cpu=cpu_between(snap, cpu_snapshot()),
+                  quick=bool(args.quick), machine=machine(mxnet=True, omp_num_threads=1), date=utc_now(),
+                  command="python -m bench.codecs" + (" " + " ".join(argv if argv is not None else sys.argv[1:])
+                                                      if (argv if argv is not None else sys.argv[1:]) else ""))
+    report["floors"] = floors(report)
+    report["hinton"] = hinton(report)
+    print_report(report)
+    write_report(args.out, report)
+    print(f"Report: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

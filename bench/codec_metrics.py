@@ -2,6 +2,8 @@
 and the synthetic 1000-class case's teacher (the generator's own posterior, as an MXNet checkpoint)."""
 import numpy as np
 
+from store.codec import log_tail_mass
+
 TEMPERATURES = (1, 4, 20)
 CHUNK = 2048  # rows at a time: 1000 classes in float64 stay small
 
@@ -32,11 +34,7 @@ def ideal_topk(z, k):
     if k < c:
         m = z.max(axis=1)
         lse = m + np.log(np.exp(z - m[:, None]).sum(axis=1))
-        tail = z.copy()
-        np.put_along_axis(tail, idx, -np.inf, axis=1)
-        tm = tail.max(axis=1)
-        logtail = tm + np.log(np.exp(tail - tm[:, None]).sum(axis=1)) - lse
-        out[...] = (lse + logtail - np.log(c - k))[:, None]
+        out[...] = (lse + log_tail_mass(z, idx, lse) - np.log(c - k))[:, None]
     np.put_along_axis(out, idx, np.take_along_axis(z, idx, axis=1), axis=1)
     return out
 

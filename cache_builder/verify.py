@@ -207,7 +207,7 @@ def compare_rows(stored, fresh, codec, dtype):
     """Per key: (largest |stored - teacher|, tolerance, stored top-1, teacher top-1, top-1 agrees up to
     ties, within tolerance) for stored fields {name: rows} and the teacher's logits [B, C]."""
     from store import schema
-    from store.codec import LOGTAIL_NONE, make_codec
+    from store.codec import log_tail_mass, make_codec
     tol = tolerance(fresh, dtype)
     rows = np.arange(fresh.shape[0])
     best = fresh.max(axis=1)
@@ -239,12 +239,7 @@ def compare_rows(stored, fresh, codec, dtype):
         ok = (diff <= tol) & (at.min(axis=1) >= kth - tol) & (lse_diff <= tolerance(fresh, "float32"))
         diff = np.maximum(diff, lse_diff)
         if schema.TOPK_LOGTAIL in stored:  # the log of the tail's mass, from the classes not stored
-            tail = fresh.astype(np.float64)
-            np.put_along_axis(tail, idx, -np.inf, axis=1)
-            tm = tail.max(axis=1)
-            with np.errstate(divide="ignore", invalid="ignore"):
-                logtail = tm + np.log(np.exp(tail - np.where(np.isfinite(tm), tm, 0)[:, None]).sum(axis=1)) - lse
-            logtail = np.maximum(np.nan_to_num(logtail, nan=LOGTAIL_NONE, neginf=LOGTAIL_NONE), LOGTAIL_NONE)
+            logtail = log_tail_mass(fresh, idx, lse)
             tail_diff = np.abs(stored[schema.TOPK_LOGTAIL].astype(np.float64) - logtail)
             ok &= tail_diff <= 2 * tolerance(fresh, "float32")
             diff = np.maximum(diff, tail_diff)

@@ -126,14 +126,7 @@ class TopKCodec:
         out = {schema.TOPK_VALUES: v, schema.TOPK_INDICES: idx.astype(self.index_dtype),
                schema.TOPK_LSE: lse.astype(np.float32)}
         if self.version >= 2:
-            if k < c:
-                tail = logits.copy()
-                np.put_along_axis(tail, idx, -np.inf, axis=1)
-                # log(tail mass) from the tail's own logits: never the difference of two near-equal sums
-                logtail = np.maximum(_logsumexp(tail) - lse, LOGTAIL_NONE)
-            else:
-                logtail = np.full(logits.shape[0], LOGTAIL_NONE)
-            out[schema.TOPK_LOGTAIL] = logtail.astype(np.float32)
+            out[schema.TOPK_LOGTAIL] = log_tail_mass(logits, idx, lse).astype(np.float32)
         return out
 
     def decode(self, fields, out=None):
@@ -220,6 +213,18 @@ class Int8Codec:
 
     def unrecoverable(self, fields):
         return np.zeros(len(fields[schema.INT8_LO]), dtype=bool)
+
+
+def log_tail_mass(logits, idx, lse=None):
+    """log of the probability mass (temperature 1) of the classes not in `idx` [B, K], in float64, from
+    their own logits (never the difference of two near-equal sums); LOGTAIL_NONE when there are none."""
+    if lse is None:
+        lse = _logsumexp(logits)
+    if idx.shape[1] >= logits.shape[1]:
+        return np.full(logits.shape[0], LOGTAIL_NONE)
+    tail = np.array(logits, dtype=np.float64)
+    np.put_along_axis(tail, idx, -np.inf, axis=1)
+    return np.maximum(_logsumexp(tail) - lse, LOGTAIL_NONE)
 
 
 def _logsumexp(x):

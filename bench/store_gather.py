@@ -48,8 +48,8 @@ def bench_gather_vs_numpy(root, p, rng):
     logits = teacher_logits(rng, n, c)
     spec, path = build_cache(root, logits, tag="gather")
     del logits
-    reader = CacheReader(path, spec=spec, memory_budget=None)
-    if not reader.in_ram:
+    reader = CacheReader(path, spec=spec, memory_budget=None, mmap=False)  # the map: bench.read_scale
+    if reader.source != "ram":
         raise RuntimeError(f"bench: the reader did not hold the {n}x{c} cache in RAM; free some memory")
     with h5py.File(path + ".h5", "r") as f:  # the same rows, as one plain numpy array in RAM
         arr = np.ascontiguousarray(f["logits"][:, 0, :])
@@ -171,9 +171,9 @@ def bench_vs_per_sample_files(root, p, rng):
 def bench_out_of_core(p, gather_ctx):
     spec, path, _, batches, in_ram_rps = gather_ctx
     few = batches[:p["ooc_batches"]]
-    with CacheReader(path, spec=spec, memory_budget=0) as reader:
-        if reader.in_ram:
-            raise RuntimeError("bench: memory_budget=0 still held the cache in RAM")
+    with CacheReader(path, spec=spec, memory_budget=0, mmap=False) as reader:
+        if reader.source != "disk":
+            raise RuntimeError(f"bench: memory_budget=0 read the cache from {reader.source}, not per batch from disk")
         reader.get(few[0])  # warm-up: opens datasets, fills the page cache
         times = timed_rounds({"out_of_core": lambda: [reader.get(b) for b in few]}, p["ooc_repeats"])
     t = min(times["out_of_core"])
@@ -185,6 +185,6 @@ def bench_out_of_core(p, gather_ctx):
                       "in-RAM / out-of-core"],
                      [[f"{spec.num_samples:,} x {spec.num_classes}", rate(rps), f"{1e3 * t / few.shape[0]:.2f}",
                        rate(in_ram_rps), f"{in_ram_rps / rps:.0f}x"]])
-    note = (f"CacheReader(memory_budget=0) on the finished .h5 of section 1, {few.shape[0]} of its batches, "
+    note = (f"CacheReader(memory_budget=0, mmap=False) on the finished .h5 of section 1, {few.shape[0]} of its batches, "
             f"best of {p['ooc_repeats']}; file warm in the page cache. Informative, no floor.")
     return res, table, note

@@ -80,7 +80,9 @@ def finalize(path, spec, *, memory_budget=None):
                     filled[keys] = True
         tmp = compact_tmp(final)
         try:
-            with h5py.File(tmp, "w") as out:
+            # Contiguous, unfiltered datasets (h5py's default), each of 64 KiB or more starting on a
+            # page boundary: readers map them straight from the file (store.mapped).
+            with h5py.File(tmp, "w", alignment_threshold=64 << 10, alignment_interval=4096) as out:
                 for k, val in spec.meta().items():
                     out.attrs[k] = val
                 out.attrs[schema.A_KIND] = schema.KIND_CACHE

@@ -1,9 +1,17 @@
 """CacheReader: targets by key from a cache, finished or still being written by producers.
 
-Fast path: when the cache fits the memory budget it is held in RAM (filled incrementally from
-the producers' segments as rows are committed) and a batch is one numpy gather. Otherwise rows
-are read from disk with sorted, de-duplicated selections (h5py needs increasing indices).
+Where its rows come from (`source`):
+* "map"  -- a finished cache, memory-mapped read-only (store.mapped): open in milliseconds at any
+  size, rows paged in as batches touch them, one copy in the page cache for every process on the
+  machine; float16 stays float16 and is widened per batch. Chosen whenever the file allows it.
+* "ram"  -- the cache held in RAM: a cache still being written that fits the memory budget (filled
+  incrementally from the producers' segments as rows are committed), or a finished one that
+  cannot be mapped. A batch is one numpy gather.
+* "disk" -- otherwise rows are read per batch with sorted, de-duplicated selections (h5py needs
+  increasing indices).
+When the producers finish, a reader that followed them switches to the map (freeing its RAM).
 """
+import logging
 import os
 import time
 
@@ -13,10 +21,13 @@ from . import schema
 from .errors import (CacheNotFoundError, FingerprintMismatchError,
                      MissingTargetsError, ProducerGoneError)
 from .housekeeping import final_spec, parts_spec, settle
+from .mapped import MapUnavailable, map_fields
 from .osutil import available_memory
 from .registry import base_path, final_path, parts_path, touch_used
 from .segment import committed_rows, list_segments, lock_holders, open_final, open_swmr, read_segment_rows
 from .validate import check_committed, check_keys, check_scale, check_segment
+
+log = logging.getLogger("kdcache.store")
 
 
 class _Segment:
@@ -50,11 +61,14 @@ class CacheReader:
     has not written yet (counted in `stall_s`) and fails within seconds when none is alive.
     `grace_s` counts a producer that is still starting (not locked yet) as alive; `starting`,
     a callable, ends that grace as soon as it returns False (the caller saw its producer exit).
+    `mmap=False` never maps a finished cache (it is then read into RAM, or per batch from disk).
     """
 
     def __init__(self, path, *, spec=None, fingerprint=None, memory_budget=None, timeout=300.0,
-                 heartbeat_timeout=10.0, grace_s=0.0, starting=None):
+                 heartbeat_timeout=10.0, grace_s=0.0, starting=None, mmap=True):
         self.base = base_path(path)
+        self.use_mmap = bool(mmap)
+        self.source = None
         self.starting = starting  # optional callable: False once the producer we wait for is known gone
         self.final = final_path(self.base)
         self.parts = parts_path(self.base)
@@ -64,6 +78,7 @@ class CacheReader:
         self.stall_s = 0.0
         self._segs = {}
         self._file = None
+        self._tables = None
         settle(self.base)  # a crash may have left every key committed and the compaction undone
         name = os.path.basename(self.base)
         if os.path.exists(self.final):
@@ -98,10 +113,11 @@ class CacheReader:
             self._ram_dtype[schema.LOGITS] = np.dtype(np.float32)
         self._done = np.zeros(nk, dtype=bool)
         self.complete = False
-        self._plain = None
+        self._hot = None
         if os.path.exists(self.final):
             self._open_final()
         else:
+            self.source = "ram" if self.in_ram else "disk"
             if self.in_ram:
                 self._tables = {n: np.zeros((nk,) + tuple(s), dtype=self._ram_dtype.get(n, d))
                                 for n, s, d in self.codec.fields}
@@ -123,7 +139,21 @@ class CacheReader:
                                            f"{own.fingerprint}, not {self.fingerprint}: it was replaced; remove it")
         f = open_final(self.final)
         nk = self.spec.num_keys
-        if self.in_ram:
+        if self.use_mmap:
+            try:
+                tables = map_fields(f, self.final, self.codec.fields, nk)
+            except MapUnavailable as e:
+                log.warning("%s: not memory-mapped, %s; reading it %s instead", self.final, e,
+                            "into RAM" if self.in_ram else "from disk per batch")
+            else:
+                f.close()
+                self._tables, self.source, self.in_ram = tables, "map", False
+                self._done[:] = True
+                self._set_complete()
+                return
+        if self.in_ram and self._done.all() and self._tables is not None:
+            f.close()  # every row is already in RAM, taken in from the segments
+        elif self.in_ram:
             self._tables = {}
             for name, shape, dtype in self.codec.fields:
                 d = f[name]
@@ -133,6 +163,7 @@ class CacheReader:
             f.close()
         else:
             self._file = f
+        self.source = "ram" if self.in_ram else "disk"
         self._done[:] = True
         self._set_complete()
 
@@ -141,10 +172,7 @@ class CacheReader:
         if self.complete:
             return
         if os.path.exists(self.final):
-            if not (self.in_ram and self._done.all()):
-                self._open_final()
-            else:
-                self._set_complete()
+            self._open_final()  # the map, when it can be had: one copy for every reader
             return
         for p in list_segments(self.parts):
             if p not in self._segs:
@@ -183,15 +211,15 @@ class CacheReader:
 
     def _set_complete(self):
         self.complete = True
-        t = self._tables.get(schema.LOGITS) if self.in_ram else None
-        if t is not None and t.dtype == np.float32:
-            self._plain = t
+        if self._tables is not None:
+            if self.codec.name == "full":
+                self._hot = self._tables[schema.LOGITS]  # raw logits: a batch is a gather (and a widening)
 
     # -- keys ---------------------------------------------------------------------------------
     def flat_keys(self, indices, views=0):
         """Flat keys (index * views + view), checked against the cache's shape."""
         return schema.flat_keys(indices, views, self.spec.num_samples, self.spec.views,
-                                check_upper=not self.in_ram)
+                                check_upper=self._tables is None)
 
     def _index_error(self, idx):
         return schema.index_error(idx, self.spec.num_samples)
@@ -230,20 +258,20 @@ class CacheReader:
         Missing targets are waited for (wait=True) up to `timeout` seconds, or reported at once
         with MissingTargetsError(missing=flat keys) (wait=False).
         """
-        plain = self._plain
-        if plain is not None and self.spec.views == 1 and type(views) is int and views == 0:
-            # The hot path (complete cache, float32 logits in RAM, one view): one gather.
+        hot = self._hot
+        if hot is not None and self.spec.views == 1 and type(views) is int and views == 0:
+            # The hot path (complete cache, raw logits in RAM or mapped, one view): one gather.
             idx = np.asarray(indices, dtype=np.int64)
             if idx.size and idx.min() < 0:
                 raise self._index_error(idx.reshape(-1))
             try:
-                return plain[idx.reshape(-1)]
+                return hot[idx.reshape(-1)].astype(np.float32, copy=False)
             except IndexError:
                 raise self._index_error(idx.reshape(-1)) from None
         keys = self.flat_keys(indices, views)
         try:
-            if plain is not None:
-                return plain[keys]
+            if hot is not None:
+                return hot[keys].astype(np.float32, copy=False)
             return self._get(keys, wait, timeout)
         except IndexError:
             raise self._index_error(np.asarray(indices, dtype=np.int64).reshape(-1)) from None
@@ -290,7 +318,7 @@ class CacheReader:
             self.stall_s += time.monotonic() - t0
 
     def _gather(self, keys):
-        if self.in_ram:
+        if self._tables is not None:
             return {name: t[keys] for name, t in self._tables.items()}
         out = {name: np.empty((keys.size,) + tuple(s), dtype=d) for name, s, d in self.codec.fields}
         if self.complete:
@@ -322,6 +350,7 @@ class CacheReader:
         if self._file is not None:
             self._file.close()
             self._file = None
+        self._tables = self._hot = None  # a mapping closes with the last array over it
 
     def __enter__(self):
         return self

@@ -129,8 +129,8 @@ def test_any_logits_within_half_a_step_and_a_clear_top_1_kept(c, rows, scale, of
         assert (got.argmax(axis=1) == x.argmax(axis=1))[clear].all()
 
 
-@pytest.mark.parametrize("budget", [None, 0])  # in RAM, and out of core from the file
-def test_a_cache_written_in_shuffled_order_and_read_back(cache_dir, budget):
+@pytest.mark.parametrize("mapped,budget,source", [(True, None, "map"), (False, None, "ram"), (False, 0, "disk")])
+def test_a_cache_written_in_shuffled_order_and_read_back(cache_dir, mapped, budget, source):
     spec = make_spec(num_samples=300, num_classes=12, views=3, codec="int8", dtype="float16")
     p = path_for(cache_dir, spec.fingerprint)
     assert produce(p, spec, seed=1, batch=32)  # segments, then compaction into P.h5
@@ -140,8 +140,8 @@ def test_a_cache_written_in_shuffled_order_and_read_back(cache_dir, budget):
     codec = spec.make_codec()
     want = codec.decode(codec.encode(x))
     assert within_half_a_step(x, codec.encode(x), want)[0].all()
-    with CacheReader(p, spec=spec, memory_budget=budget) as r:
-        assert r.complete and r.in_ram == (budget is None)
+    with CacheReader(p, spec=spec, memory_budget=budget, mmap=mapped) as r:
+        assert r.complete and r.source == source
         idx, views = np.array([5, 299, 0, 5, 17]), np.array([2, 0, 1, 2, 1])
         assert np.array_equal(r.get(idx, views), want[idx * 3 + views])
         assert np.array_equal(r.get(np.arange(300), 1), want[np.arange(300) * 3 + 1])

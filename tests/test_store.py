@@ -29,9 +29,9 @@ def test_round_trip_in_shuffled_order_with_views(cache_dir, codec, dtype):
     p = build(cache_dir, spec)
     keys = np.arange(spec.num_keys)
     want = spec.make_codec().decode(spec.make_codec().encode(expected_logits(keys, 12)))
-    for budget in (None, 0):  # in RAM, and out of core from the file
-        with CacheReader(p, spec=spec, memory_budget=budget) as r:
-            assert r.complete and r.in_ram == (budget is None)
+    for mapped, budget, source in ((True, None, "map"), (False, None, "ram"), (False, 0, "disk")):
+        with CacheReader(p, spec=spec, memory_budget=budget, mmap=mapped) as r:
+            assert r.complete and r.source == source
             idx = np.array([5, 299, 0, 5, 17])
             views = np.array([2, 0, 1, 2, 1])
             assert np.array_equal(r.get(idx, views), want[idx * 3 + views])

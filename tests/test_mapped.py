@@ -1,0 +1,169 @@
+"""A finished cache memory-mapped: the same rows as the RAM and disk paths, every codec and dtype,
+several views; the switch from a followed cache to the map; the fallbacks, logged."""
+import logging
+import mmap
+import os
+
+import h5py
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from store import BadInputError, CacheReader, path_for, schema
+from store.registry import final_path
+from tests.helpers import expected_logits, make_spec, produce
+
+CODECS = [("full", "float16"), ("full", "float32"), ("topk:3", "float16"), ("topk:3", "float32"),
+          ("topk:12", "float16"), ("int8", "float16")]
+SOURCES = [(True, None, "map"), (False, None, "ram"), (False, 0, "disk")]
+N, C, V = 257, 12, 3
+
+
+@pytest.fixture(scope="module")
+def caches(tmp_path_factory):
+    """One finished cache per codec, N samples x V views, written in a shuffled order."""
+    d = str(tmp_path_factory.mktemp("mapped"))
+    out = {}
+    for codec, dtype in CODECS:
+        spec = make_spec(num_samples=N, num_classes=C, views=V, codec=codec, dtype=dtype)
+        p = path_for(d, spec.fingerprint)
+        assert produce(p, spec, seed=3, batch=40)
+        out[codec, dtype] = (p, spec)
+    return out
+
+
+def readers(p, spec):
+    rs = [CacheReader(p, spec=spec, mmap=m, memory_budget=b) for m, b, _ in SOURCES]
+    assert [r.source for r in rs] == [s for _, _, s in SOURCES]
+    return rs
+
+
+@pytest.mark.parametrize("codec,dtype", CODECS)
+def test_mapped_rows_equal_ram_and_disk_rows_and_the_codec(caches, codec, dtype):
+    p, spec = caches[codec, dtype]
+    c = spec.make_codec()
+    keys = np.arange(spec.num_keys)
+    want = c.decode(c.encode(expected_logits(keys, C)))
+    rs = readers(p, spec)
+    try:
+        for view in range(V):
+            idx = np.arange(N)
+            got = [r.get(idx, view) for r in rs]
+            for g in got:
+                assert g.dtype == np.float32 and g.shape == (N, C)
+                assert np.array_equal(g, want[idx * V + view])
+        idx, views = np.array([0, 256, 5, 5, 100]), np.array([2, 0, 1, 1, 2])
+        for r in rs:
+            assert np.array_equal(r.get(idx, views), want[idx * V + views])
+    finally:
+        for r in rs:
+            r.close()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(which=st.sampled_from(CODECS), idx=st.lists(st.integers(0, N - 1), max_size=70),
+       view=st.one_of(st.integers(0, V - 1), st.just(None)), seed=st.integers(0, 2 ** 16))
+def test_any_batch_reads_the_same_from_the_map_as_from_ram_and_disk(caches, which, idx, view, seed):
+    p, spec = caches[which]
+    idx = np.array(idx, dtype=np.int64)
+    views = view if view is not None else np.random.default_rng(seed).integers(0, V, idx.size)
+    rs = readers(p, spec)
+    try:
+        a, b, c = (r.get(idx, views) for r in rs)
+        assert a.shape == (idx.size, C) and np.array_equal(a, b) and np.array_equal(a, c)
+    finally:
+        for r in rs:
+            r.close()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_one_view_hot_path_and_bad_indices(cache_dir, dtype):
+    spec = make_spec(num_samples=100, num_classes=7, views=1, codec="full", dtype=dtype)
+    p = path_for(cache_dir, spec.fingerprint)
+    assert produce(p, spec)
+    want = spec.make_codec().decode(spec.make_codec().encode(expected_logits(np.arange(100), 7)))
+    for m, b, source in SOURCES:
+        with CacheReader(p, spec=spec, mmap=m, memory_budget=b) as r:
+            assert r.source == source
+            idx = np.array([[3, 99], [0, 3]])
+            assert np.array_equal(r.get(idx), want[idx.reshape(-1)])
+            for bad in ([100], [-1], [5, 1000]):
+                with pytest.raises(BadInputError, match="out of range"):
+                    r.get(np.array(bad))
+
+
+def test_the_map_is_read_only_and_shares_the_files_pages(cache_dir):
+    spec = make_spec(num_samples=5000, num_classes=100, codec="full", dtype="float16")
+    p = path_for(cache_dir, spec.fingerprint)
+    assert produce(p, spec, batch=500)
+    with CacheReader(p, spec=spec) as r:
+        t = r._tables[schema.LOGITS]
+        assert r.source == "map" and not t.flags.writeable
+        with pytest.raises(ValueError):
+            t[0, 0] = 1
+        assert t.dtype == np.float16, "float16 stays float16 in memory"
+        with open(final_path(p), "rb") as fh:  # the array is the file's bytes, at the dataset's offset
+            with h5py.File(final_path(p), "r") as f:
+                off = f[schema.LOGITS].id.get_offset()
+            assert off % 4096 == 0, "large datasets start on a page boundary"
+            fh.seek(off)
+            assert fh.read(t.nbytes) == t.tobytes()
+
+
+def test_a_reader_that_followed_the_producers_switches_to_the_map(cache_dir):
+    spec = make_spec(num_samples=200, num_classes=9, views=2, codec="full", dtype="float16")
+    p = path_for(cache_dir, spec.fingerprint)
+    from store import CacheWriter
+    want = spec.make_codec().decode(spec.make_codec().encode(expected_logits(np.arange(400), 9)))
+    w = CacheWriter(p, spec)
+    keys = np.arange(200)
+    w.write(keys // 2, expected_logits(keys, 9), views=keys % 2)
+    r = CacheReader(p, spec=spec)
+    assert r.source == "ram" and not r.complete
+    assert np.array_equal(r.get(np.arange(100), 0, wait=False), want[np.arange(100) * 2])
+    keys = np.arange(200, 400)
+    w.write(keys // 2, expected_logits(keys, 9), views=keys % 2)
+    w.close()
+    assert os.path.exists(final_path(p))
+    r.refresh()
+    assert r.complete and r.source == "map"
+    assert np.array_equal(r.get(np.arange(200), 1), want[np.arange(200) * 2 + 1])
+    r.close()
+
+
+def rewrite_chunked(path):
+    """The same cache file with chunked datasets (as another writer might lay it out)."""
+    tmp = path + ".chunked"
+    with h5py.File(path, "r") as src, h5py.File(tmp, "w") as out:
+        for k, v in src.attrs.items():
+            out.attrs[k] = v
+        for k in src:
+            out.create_dataset(k, data=src[k][...], chunks=True)
+    os.replace(tmp, path)
+
+
+def test_files_that_cannot_be_mapped_are_read_the_old_way_and_say_why(cache_dir, caplog, monkeypatch):
+    spec = make_spec(num_samples=300, num_classes=10, views=2, codec="topk:3", dtype="float16")
+    p = path_for(cache_dir, spec.fingerprint)
+    assert produce(p, spec)
+    with CacheReader(p, spec=spec, mmap=False) as r:
+        want = r.get(np.arange(300), 1)
+    rewrite_chunked(final_path(p))
+    caplog.set_level(logging.WARNING, logger="kdcache.store")
+    for budget, source in ((None, "ram"), (0, "disk")):
+        caplog.clear()
+        with CacheReader(p, spec=spec, memory_budget=budget) as r:
+            assert r.source == source
+            assert np.array_equal(r.get(np.arange(300), 1), want)
+        assert "not memory-mapped" in caplog.text and "chunked" in caplog.text
+
+    def refuse(*a, **k):
+        raise OSError(19, "No such device")
+    p2 = path_for(cache_dir, make_spec(num_samples=50, tag="other").fingerprint)
+    assert produce(p2, make_spec(num_samples=50, tag="other"))
+    monkeypatch.setattr(mmap, "mmap", refuse)
+    caplog.clear()
+    with CacheReader(p2) as r:
+        assert r.source == "ram" and r.get([49]).shape == (1, 10)
+    assert "refused to map" in caplog.text

@@ -107,3 +107,69 @@ def make_views(dataset, indices, views, *, seed, augment):
     """
     x, y = dataset.get_batch(indices)
     return augment.apply(x, seed, indices, views), y
+
+
+def key_rng(seed, index, view):
+    """The numpy Generator of key (seed, index, view): the same in every process and on every run."""
+    return np.random.default_rng(int(key_hash(seed, [int(index)], [int(view)], 2)[0]))
+
+
+class AugmentError(ValueError):
+    """A user's augmentation misbehaved; the message names it."""
+
+
+class UserAugment:
+    """A user's augmentation FUNCTION(image, rng) -> image, for image float32 [C, H, W] in [0, 1] and
+    rng the Generator of the key (key_rng), so every process rebuilds the same view. Its identity
+    (`spec`, recorded in the fingerprint) is its qualified name and a digest of its source."""
+    active = True
+
+    def __init__(self, fn, name=None):
+        import hashlib
+        import inspect
+        if not callable(fn):
+            raise AugmentError(f"augmentation {fn!r} is not callable: pass FUNCTION(image, rng) -> image")
+        self.fn = fn
+        self.name = name or f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
+        try:
+            source = inspect.getsource(fn)
+        except (OSError, TypeError):
+            raise AugmentError(f"augmentation {self.name}: its source cannot be read (it names the cache): define it "
+                               f"with def in a module file") from None
+        self.spec = f"{self.name}@{hashlib.sha256(source.encode()).hexdigest()[:16]}"
+
+    def one(self, image, seed, index, view):
+        """The augmented copy of one image for key (index, view)."""
+        try:
+            out = self.fn(image.copy(), key_rng(seed, index, view))
+        except Exception as e:
+            raise AugmentError(f"augmentation {self.name} raised {type(e).__name__}: {e}") from e
+        out = np.asarray(out)
+        if out.shape != image.shape:
+            raise AugmentError(f"augmentation {self.name} turned an image of shape {image.shape} into {out.shape}: "
+                               f"it must keep the shape (crop after padding, flip, jitter)")
+        return out.astype(np.float32, copy=False)
+
+    def apply(self, x, seed, indices, views):
+        vs = np.broadcast_to(np.asarray(views), np.shape(indices))
+        return np.stack([self.one(x[k], seed, i, v) for k, (i, v) in enumerate(zip(np.ravel(indices), np.ravel(vs)))]) \
+            if len(x) else x
+
+
+def as_augment(augment):
+    """An Augment, a UserAugment or None (no augmentation) from what a caller passes: None, a spec
+    string ("crop:4,flip"), an Augment, or a callable FUNCTION(image, rng)."""
+    if augment is None or isinstance(augment, (Augment, UserAugment)):
+        return augment if augment is not None else Augment()
+    if isinstance(augment, str):
+        return Augment.parse(augment)
+    return UserAugment(augment)
+
+
+def apply_one(augment, image, seed, index, view):
+    """View `view` of sample `index`'s image [C, H, W] under `augment` (an Augment or UserAugment)."""
+    if not augment.active:
+        return image
+    if isinstance(augment, UserAugment):
+        return augment.one(image, seed, index, view)
+    return augment.apply(image[None], seed, [index], [view])[0]

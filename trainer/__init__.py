@@ -8,4 +8,7 @@ def __getattr__(name):
     if name in ("SoftTargetIter", "kd_symbol"):
         from . import dataiter
         return getattr(dataiter, name)
+    if name == "SoftTargetDataset":
+        from . import softdata
+        return softdata.SoftTargetDataset
     raise AttributeError(f"module 'trainer' has no attribute {name!r}")

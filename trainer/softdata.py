@@ -1,0 +1,121 @@
+"""SoftTargetDataset: any (image, label) data set, with the teacher's soft target of each item's view.
+
+For a user's own Gluon loop: wrap the data set the cache was built from, hand it to
+`gluon.data.DataLoader(..., shuffle=True, num_workers=N)`, call `set_epoch(e)` before each epoch.
+Item i of epoch e is view v = e mod views of sample i (the keyed augmentation rebuilds it from
+(seed, i, v), as the producer did) and the teacher's raw logits for that same view.
+
+Worker processes: the DataLoader forks its workers once and keeps them, so the epoch lives in
+shared memory (set_epoch reaches workers already running), and each process opens the store for
+itself on first use, after the fork: a finished cache is then mapped once for all of them (its
+pages shared), and a cache still being written is followed as the producer commits rows.
+"""
+import ctypes
+import multiprocessing
+import os
+
+import numpy as np
+from mxnet import gluon
+
+from pipeline.augment import apply_one, as_augment
+from store import CacheReader, StoreError
+
+
+class SoftTargetDataset(gluon.data.Dataset):
+    """Items (image float32 [C, H, W], label, soft target float32 [classes]) of `dataset`.
+
+    `targets`: a cache (its path P, P.h5 or P.parts, or an open CacheReader) built from this data
+    set with this seed, view count and augmentation; `augment`: None (no augmentation), a spec
+    ("crop:4,flip"), or FUNCTION(image, rng) -> image. The cache's record of the augmentation and
+    seed must match, or the targets would be for other images: StoreError says so.
+    `reader_options` go to each process's CacheReader (timeout, heartbeat_timeout, ...).
+    """
+
+    def __init__(self, dataset, targets, *, seed=0, views=1, augment=None, **reader_options):
+        self.dataset = dataset
+        self.seed, self.views = int(seed), int(views)
+        self.augment = as_augment(augment)
+        self._options = reader_options
+        if isinstance(targets, CacheReader):
+            self._path, self._fp, reader = targets.base, targets.fingerprint, targets
+        else:
+            self._path, self._fp = os.fspath(targets), None
+            reader = CacheReader(self._path, **reader_options)
+            self._fp = reader.fingerprint
+        self._check(reader)
+        self.num_classes = reader.spec.num_classes
+        self._reader, self._pid = reader, os.getpid()
+        self._epoch = multiprocessing.RawValue(ctypes.c_int64, 0)
+
+    def _check(self, reader):
+        spec = reader.spec
+        where = f"cache {reader.base}"
+        if len(self.dataset) != spec.num_samples:
+            raise StoreError(f"{where} holds targets for {spec.num_samples} samples, the data set has "
+                             f"{len(self.dataset)}: pass the data set the cache was built from")
+        if self.views != spec.views:
+            raise StoreError(f"{where} holds {spec.views} view(s) per sample, views={self.views} was passed: "
+                             f"pass views={spec.views}")
+        inputs = getattr(spec, "inputs", None) or {}
+        if "augment" in inputs:
+            mine = self.augment.spec if self.augment.active else None
+            if inputs.get("augment") != mine:
+                raise StoreError(f"{where} was built with augmentation {inputs.get('augment') or 'none'}, this data "
+                                 f"set applies {mine or 'none'}: the teacher saw other images; pass the same "
+                                 f"augment, or build a cache for this one")
+            if mine is not None and inputs.get("augment_seed") != self.seed:
+                raise StoreError(f"{where} was built with seed {inputs.get('augment_seed')}, seed={self.seed} "
+                                 f"was passed: the views differ; pass seed={inputs.get('augment_seed')}")
+
+    # -- the epoch, shared with worker processes ----------------------------------------------
+    def set_epoch(self, epoch):
+        """Select the epoch: its items are view (epoch mod views) of every sample."""
+        if int(epoch) < 0:
+            raise ValueError(f"epoch {epoch} < 0")
+        self._epoch.value = int(epoch)
+
+    @property
+    def epoch(self):
+        return int(self._epoch.value)
+
+    @property
+    def view(self):
+        return self.epoch % self.views
+
+    # -- items ----------------------------------------------------------------------------------
+    def reader(self):
+        """This process's CacheReader, opened after a fork on first use."""
+        if self._reader is None or self._pid != os.getpid():
+            self._reader = CacheReader(self._path, fingerprint=self._fp, **self._options)
+            self._pid = os.getpid()
+        return self._reader
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, idx):
+        i = int(idx)
+        if not 0 <= i < len(self.dataset):
+            raise IndexError(f"index {idx} out of range [0, {len(self.dataset)})")
+        v = self.view
+        item = self.dataset[i]
+        if not isinstance(item, (tuple, list)) or len(item) < 2:
+            raise TypeError(f"item {i} of {type(self.dataset).__name__} is {type(item).__name__}, not (image, label)")
+        image, label = item[0], item[1]
+        image = np.asarray(image.asnumpy() if hasattr(image, "asnumpy") else image, dtype=np.float32)
+        image = apply_one(self.augment, image, self.seed, i, v)
+        soft = self.reader().get(np.array([i]), v)[0]
+        return image, label, soft
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_reader"] = None  # each process opens its own
+        if multiprocessing.context.get_spawning_popen() is None:
+            state["_epoch"] = int(self._epoch.value)  # pickled outside process start: a plain value
+        return state
+
+    def __setstate__(self, state):
+        epoch = state["_epoch"]
+        if isinstance(epoch, int):
+            state["_epoch"] = multiprocessing.RawValue(ctypes.c_int64, epoch)
+        self.__dict__.update(state)

@@ -1,49 +1,98 @@
 """SoftTargetIter: an mx.io.DataIter for the Module API with the soft target as a second label.
 
 Each batch carries `data`, `softmax_label` (the hard labels) and `soft_label` (the teacher's
-raw logits from the store, float32 [B, C]) for the keys of the training schedule, so a Module
-whose symbol takes both labels trains with the KD loss and never runs the teacher.
+raw logits from the store, float32 [B, C]), so a Module whose symbol takes both labels trains
+with the KD loss and never runs the teacher. Two ways to get the batches:
+
+* over a kdcache data set: the keys of the training schedule, augmented by the keyed
+  augmentation exactly as the producer augmented them (view epoch mod views);
+* over the user's own DataIter (an ImageRecordIter_v1 over a .rec with its .idx, say): its batches
+  pass through, and the soft labels are attached by the sample indices each batch carries
+  (`batch.index`). An iterator that gives no indices is refused. An iterator that augments on
+  its own shows the student images the teacher never saw: that is said once (see the README).
 """
+import logging
+
 import mxnet as mx
 import numpy as np
 
 from pipeline.augment import Augment, make_views
 from pipeline.schedule import epoch_batches, view_of_epoch
 
+log = logging.getLogger("kdcache.trainer")
+
+# Random augmenters of mx.image.ImageIter's auglist (the ones that change an image between epochs).
+_RANDOM_AUGS = ("RandomCropAug", "RandomSizedCropAug", "HorizontalFlipAug", "BrightnessJitterAug", "ContrastJitterAug",
+                "SaturationJitterAug", "HueJitterAug", "ColorJitterAug", "LightingAug", "RandomGrayAug",
+                "RandomOrderAug")
+_PROBES = 16  # pixels per image compared across epochs to notice an iterator that augments
+
 
 class SoftTargetIter(mx.io.DataIter):
-    """Iterate one epoch of the schedule per reset(); `targets` is a store reader (CacheReader,
-    or anything with get(indices, views)). The last partial batch is padded by wrapping around
-    (`pad` tells how many), as NDArrayIter's 'pad' mode does."""
+    """Iterate one epoch per reset(); `targets` is a store reader (CacheReader, or anything with
+    get(indices, views)).
 
-    def __init__(self, dataset, targets, *, batch_size=64, seed=0, views=1, augment=None,
-                 data_name="data", label_name="softmax_label", soft_label_name="soft_label", start_epoch=0):
-        super().__init__(batch_size)
-        self.dataset, self.targets = dataset, targets
+    `source` is a kdcache data set (batches follow the schedule of `seed`; the last partial batch
+    is padded by wrapping around, `pad` tells how many, as NDArrayIter's 'pad' mode does), or the
+    user's own mx.io.DataIter whose batches carry `index` (batch_size, seed and augment are then
+    its own business). `keys`: the record keys of the cache's samples, in order, when the
+    iterator's indices are record keys that are not 0..N-1 (RecordIODataset.keys). `augments`:
+    whether the user's iterator augments (None: find out).
+    """
+
+    def __init__(self, source, targets, *, batch_size=64, seed=0, views=1, augment=None,
+                 data_name="data", label_name="softmax_label", soft_label_name="soft_label", start_epoch=0,
+                 keys=None, augments=None):
+        self.inner = source if isinstance(source, mx.io.DataIter) else None
+        super().__init__(self.inner.batch_size if self.inner is not None else batch_size)
+        self.dataset, self.targets = (None if self.inner is not None else source), targets
         self.seed, self.views = seed, views
         self.augment = augment or Augment()
         self.data_name, self.label_name, self.soft_label_name = data_name, label_name, soft_label_name
-        self.num_classes = int(dataset.num_classes)
+        self.num_classes = int(getattr(targets, "spec", source).num_classes) if self.inner is not None \
+            else int(source.num_classes)
         self.epoch = start_epoch - 1
         self._batches = []
         self._i = 0
+        if self.inner is not None:
+            self._keys = None
+            if keys is not None:  # record keys in sample order: sorted, with their positions
+                k = np.asarray(keys, dtype=np.int64).reshape(-1)
+                order = np.argsort(k, kind="stable")
+                self._keys = (k[order], order)
+            self.augments = self._declared_augments(augments)
+            self._probe_sig, self._probe_pos = np.empty(0), None
+            self._warned = False
+            if self.augments:
+                self._say_augments("its augmenters")
+            self.epoch += 1
+            return
         self.reset()
 
     @property
     def provide_data(self):
+        if self.inner is not None:
+            return self.inner.provide_data
         return [mx.io.DataDesc(self.data_name, (self.batch_size,) + tuple(self.dataset.shape), np.float32)]
 
     @property
     def provide_label(self):
-        return [mx.io.DataDesc(self.label_name, (self.batch_size,), np.float32),
-                mx.io.DataDesc(self.soft_label_name, (self.batch_size, self.num_classes), np.float32)]
+        soft = mx.io.DataDesc(self.soft_label_name, (self.batch_size, self.num_classes), np.float32)
+        if self.inner is not None:
+            return list(self.inner.provide_label) + [soft]
+        return [mx.io.DataDesc(self.label_name, (self.batch_size,), np.float32), soft]
 
     def reset(self):
         self.epoch += 1
+        if self.inner is not None:
+            self.inner.reset()
+            return
         self._batches = epoch_batches(self.seed, self.epoch, len(self.dataset), self.batch_size)
         self._i = 0
 
     def next(self):
+        if self.inner is not None:
+            return self._next_wrapped()
         if self._i >= len(self._batches):
             raise StopIteration
         idx = self._batches[self._i]
@@ -57,6 +106,75 @@ class SoftTargetIter(mx.io.DataIter):
         return mx.io.DataBatch(data=[mx.nd.array(x)], label=[mx.nd.array(y.astype(np.float32)), mx.nd.array(t)],
                                pad=pad, index=idx, provide_data=self.provide_data,
                                provide_label=self.provide_label)
+
+    # -- the user's own iterator ----------------------------------------------------------------
+    def _next_wrapped(self):
+        b = self.inner.next()
+        if b.index is None:
+            raise ValueError(f"{type(self.inner).__name__} gives no sample indices (batch.index is None), so the soft "
+                             f"targets cannot be matched to its samples: use an iterator that does (mx.io.ImageRecordIter_v1 "
+                             f"over a .rec with its .idx, path_imgidx=...), or SoftTargetIter(dataset, ...) over a "
+                             f"kdcache data set")
+        index = np.asarray(b.index.asnumpy() if hasattr(b.index, "asnumpy") else b.index).astype(np.int64).reshape(-1)
+        if index.size - (b.pad or 0) > 1 and not index.any():
+            raise ValueError(f"{type(self.inner).__name__} reports index 0 for every sample of a batch, as MXNet 1.x's "
+                             f"ImageRecordIter does (it never fills the index in): use mx.io.ImageRecordIter_v1 with "
+                             f"the same arguments, which reports each record's index")
+        if self._keys is not None:
+            ks, pos = self._keys
+            at = np.minimum(np.searchsorted(ks, index), ks.size - 1)
+            if ks.size == 0 or not np.array_equal(ks[at], index):
+                bad = index[ks[at] != index][:5].tolist() if ks.size else index[:5].tolist()
+                raise ValueError(f"the iterator gave record keys {bad}, which are not among the cache's keys: "
+                                 f"the cache was built from another .idx")
+            index = pos[at]
+        if self.augments is None:
+            self._probe(b.data[0], index, b.pad or 0)
+        t = self.targets.get(index, view_of_epoch(self.epoch, self.views))
+        ctx = b.data[0].context
+        return mx.io.DataBatch(data=b.data, label=list(b.label or []) + [mx.nd.array(t, ctx=ctx)], pad=b.pad,
+                               index=index, provide_data=self.provide_data, provide_label=self.provide_label)
+
+    def _declared_augments(self, augments):
+        if augments is not None:
+            return bool(augments)
+        augs = getattr(self.inner, "auglist", None)
+        if augs is not None:  # mx.image.ImageIter: its augmenters say
+            return any(type(a).__name__ in _RANDOM_AUGS for a in augs)
+        return None
+
+    def _probe(self, data, index, pad):
+        """Notice an iterator that augments: the same sample's pixels differ between epochs (a few
+        pixels per image, 8 bytes per sample, compared in the first two epochs only)."""
+        if self.epoch >= 2:
+            self.augments = False
+            return
+        n = data.shape[0] - pad
+        flat = data.reshape((data.shape[0], -1))
+        if self._probe_pos is None:
+            self._probe_pos = mx.nd.array(np.random.default_rng(0).integers(0, flat.shape[1], _PROBES),
+                                          ctx=data.context)
+        w = np.random.default_rng(1).uniform(0.5, 1.5, _PROBES)
+        sig = mx.nd.take(flat, self._probe_pos, axis=1).asnumpy()[:n].astype(np.float64) @ w
+        idx = index[:n]
+        if idx.size and idx.max() >= self._probe_sig.size:
+            grown = np.full(max(int(idx.max()) + 1, 2 * self._probe_sig.size), np.nan)
+            grown[:self._probe_sig.size] = self._probe_sig
+            self._probe_sig = grown
+        old = self._probe_sig[idx]
+        differ = ~np.isnan(old) & ~np.isclose(old, sig, rtol=1e-5, atol=1e-5)
+        if differ.any():
+            self.augments = True
+            self._probe_sig = np.empty(0)
+            return self._say_augments(f"sample {int(idx[differ][0])}'s pixels differ between epochs")
+        self._probe_sig[idx] = sig
+
+    def _say_augments(self, why):
+        if not self._warned:
+            self._warned = True
+            log.warning("the data iterator augments on its own (%s): the teacher's targets are for the images the "
+                        "producer saw, not for these views; for consistent targets let kdcache augment "
+                        "(--views, --augment) and turn the iterator's augmentation off", why)
 
 
 def kd_symbol(student_logits, *, temperature=20.0, alpha=0.5, num_classes=None,

@@ -52,7 +52,7 @@ TEACHER_DEP = $(if $(TEACHER),,$(DEFAULT_TEACHER_FILE))
 
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: help options setup test test-fast torture bench bench-kd bench-store bench-producer bench-sizing bench-codecs caches verify teacher cache cache-online train train-dist clean
+.PHONY: help options setup test test-fast torture bench bench-kd bench-store bench-read bench-producer bench-sizing bench-codecs caches verify teacher cache cache-online train train-dist clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s "$$(printf '\t')"
@@ -77,9 +77,10 @@ torture: setup  ## the long fault runs: 20 kills of the producer, a 60 s soak, e
 	KDCACHE_TORTURE=1 $(PY) -m pytest -q $(PYTEST_ARGS) tests/test_faults.py tests/test_store_mp.py \
 		tests/test_compact_crash.py tests/test_store_trust.py tests/test_ring_trust.py tests/test_identity.py
 
-bench: setup $(CODEC_TEACHERS)  ## every benchmark side by side: KD scenarios, store, producer, ImageNet sizing, codecs (QUICK=1: short runs)
+bench: setup $(CODEC_TEACHERS)  ## every benchmark side by side: KD scenarios, store, reading at scale, producer, ImageNet sizing, codecs (QUICK=1: short runs)
 	$(PY) -m bench.kd $(if $(QUICK),--quick)
 	$(PY) -m bench.store $(if $(QUICK),--quick)
+	$(PY) -m bench.read_scale $(if $(QUICK),--quick)
 	$(PY) -m bench.producer $(if $(QUICK),--quick)
 	$(PY) -m bench.sizing $(if $(QUICK),--quick)
 	$(PY) -m bench.codecs $(if $(QUICK),--quick)
@@ -98,6 +99,9 @@ bench-codecs: setup $(CODEC_TEACHERS)  ## soft-target codecs (full, topk:K, int8
 
 bench-store: setup  ## store micro-benchmarks: gather, write order, codec sizes (QUICK=1 for a short run)
 	$(PY) -m bench.store $(if $(QUICK),--quick)
+
+bench-read: setup  ## reading a finished cache at ImageNet-1k size: mapped vs RAM reader, open, gathers warm and cold, memory of 4 readers (writes up to ~55 GB in the temp dir, keeping 20 GB free; QUICK=1 for a short run)
+	$(PY) -m bench.read_scale $(if $(QUICK),--quick)
 
 teacher: setup $(DEFAULT_TEACHER_FILE)  ## train and export the default teacher of DATASET (digits, mnist5k: teachers/DATASET-*) if missing
 	$(if $(DEFAULT_TEACHER_FILE),,$(error make teacher builds the default teachers (DATASET digits or mnist5k), \

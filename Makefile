@@ -12,6 +12,7 @@ DATA_ROOT  ?=
 TEACHER    ?=
 CACHE_DIR  ?=
 VIEWS      ?=
+AUGMENT    ?=
 CODEC      ?=
 SEED       ?=
 EPOCHS     ?=
@@ -41,7 +42,7 @@ opt = $(if $($(1)),$(2) $($(1)))
 # The options both sides share (pipeline.options.SHARED): the producer and the trainer derive the
 # same cache and the same schedule from them.
 SHARED_OPTS = $(call opt,TEACHER,--teacher) $(call opt,DATASET,--dataset) $(call opt,DATA_ROOT,--data-root) \
-	$(call opt,CACHE_DIR,--cache-dir) $(call opt,VIEWS,--views) $(call opt,CODEC,--codec) $(call opt,SEED,--seed) \
+	$(call opt,CACHE_DIR,--cache-dir) $(call opt,VIEWS,--views) $(call opt,AUGMENT,--augment) $(call opt,CODEC,--codec) $(call opt,SEED,--seed) \
 	$(call opt,EPOCHS,--epochs) $(call opt,BATCH_SIZE,--batch-size)
 PRODUCER_OPTS = $(SHARED_OPTS) $(call opt,THREADS,--threads) $(call opt,SHARDS,--shards)
 TRAINER_OPTS = $(SHARED_OPTS) $(call opt,STUDENT,--student) $(call opt,TEACHER_MODE,--teacher-mode) \

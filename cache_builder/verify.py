@@ -160,13 +160,14 @@ def dataset_name(rec):
 def recorded_inputs(args, inputs):
     """(data set, augmentation, augmentation seed) as the cache records them; the data set must be
     the same one (its identity: name, split, length, content digest)."""
-    from pipeline.augment import Augment
+    from pipeline.cachespec import augment_from_inputs
     from pipeline.datasets import BUILTIN, DATASETS, load_dataset
+    from pipeline.pieces import is_piece
     rec = inputs.get("dataset")
-    if not isinstance(rec, dict) or rec.get("name") not in DATASETS:
+    if not isinstance(rec, dict) or not (rec.get("name") in DATASETS or is_piece(rec.get("name"))):
         raise Refused(f"the cache records data set {rec!r}, which kdcache cannot load: no teacher check "
                       f"possible; drop --teacher")
-    builtin = rec["name"] in BUILTIN
+    builtin = rec["name"] in BUILTIN or is_piece(rec["name"])  # a user's FUNCTION reads what it reads
     if builtin and args.data_root is not None:
         raise Refused(f"argument --data-root: the cache's data set {rec['name']} is built in and reads no files; "
                       f"drop --data-root")
@@ -181,7 +182,7 @@ def recorded_inputs(args, inputs):
         shown = "; ".join(f"{k} {rec.get(k)!r} in the cache, {got.get(k)!r} here" for k in differ[:3])
         fix = "pass --image-size as the cache was built" if "shape" in differ else "pass the right --data-root"
         raise Refused(f"the data set differs from the one the cache was built from ({shown}): {fix}")
-    return dataset, Augment.parse(inputs.get("augment") or "none"), int(inputs.get("augment_seed") or 0)
+    return dataset, augment_from_inputs(inputs), int(inputs.get("augment_seed") or 0)
 
 
 def tolerance(fresh, dtype):

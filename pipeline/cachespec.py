@@ -5,7 +5,8 @@ producer to write the cache, the trainer to find it (and to refuse a cache built
 """
 from store import CacheSpec
 
-from .augment import Augment
+from .augment import Augment, UserAugment
+from .pieces import PieceError, is_piece, load_piece
 
 # Bump when the producer's output for the same inputs changes (it is part of every fingerprint).
 PRODUCER_VERSION = 1
@@ -16,7 +17,10 @@ DEFAULT_AUGMENT_IMAGES = "crop:4,flip"
 
 
 def resolve_augment(spec, dataset_name, views):
-    """--augment auto: none for one view, the data set's usual augmentation for several."""
+    """--augment auto: none for one view, the data set's usual augmentation for several;
+    MODULE:FUNCTION: the user's FUNCTION(image, rng)."""
+    if is_piece(spec):
+        return UserAugment(load_piece(spec, "--augment"), name=spec.strip())
     if spec in (None, "", "auto"):
         if views == 1:
             return Augment()
@@ -43,3 +47,17 @@ def spec_from_args(args, dataset, teacher):
     spec = build_spec(teacher.identity(), dataset, views=args.views, augment=augment, seed=args.seed,
                       codec=args.codec, dtype=args.dtype)
     return spec, augment
+
+
+def augment_from_inputs(inputs):
+    """The augmentation a cache records (its inputs' "augment"): a spec, or MODULE:FUNCTION@digest,
+    whose source must still have that digest (else the views would differ from the cached ones)."""
+    rec = inputs.get("augment") or "none"
+    if "@" not in rec:
+        return Augment.parse(rec)
+    name, _, digest = rec.rpartition("@")
+    aug = UserAugment(load_piece(name, "--augment"), name=name)
+    if aug.spec != rec:
+        raise PieceError(f"--augment {name}: its source changed since the cache was built (digest "
+                         f"{aug.spec.rpartition('@')[2]}, the cache records {digest}): the views would differ")
+    return aug

@@ -34,9 +34,12 @@ class Codec(Allowed):
 
 
 class AugmentSpec(Allowed):
-    """auto | none | crop:PAD | flip | crop:PAD,flip."""
+    """auto | none | crop:PAD | flip | crop:PAD,flip | MODULE:FUNCTION."""
 
     def __call__(self, s):
+        from .pieces import is_piece
+        if is_piece(str(s)):
+            return str(s).strip()  # MODULE:FUNCTION(image, rng), loaded (and checked) with the data
         v = str(s).strip().lower()
         if v == "auto":
             return v
@@ -44,7 +47,7 @@ class AugmentSpec(Allowed):
             aug = Augment.parse(v)
         except ValueError:
             fail(f"{s!r} is not understood: use auto, none, crop:PAD, flip or crop:PAD,flip (PAD an integer from "
-                 f"0 to 64)")
+                 f"0 to 64), or MODULE:FUNCTION (your own: FUNCTION(image, rng) -> image)")
         if aug.pad > 64:
             fail(f"{s!r}: crop padding {aug.pad} is more than 64 pixels")
         return v
@@ -52,14 +55,17 @@ class AugmentSpec(Allowed):
 
 class DatasetSpec(Allowed):
     """digits | mnist5k | synthetic[:n=N,classes=K,shape=CxHxW,seed=S] | mnist | fashion-mnist | cifar10 | cifar100 | npz |
-    recordio | imagefolder (the files are checked when the data set loads)."""
+    recordio | imagefolder | MODULE:FUNCTION (the files, or the function, are checked when the data set loads)."""
 
     def __call__(self, s):
         from .datasets import DATASETS, DatasetError, parse_synthetic
+        from .pieces import is_piece
         v = str(s).strip()
+        if is_piece(v):
+            return v  # MODULE:FUNCTION, loaded (and checked) with the data
         base = v.split(":", 1)[0].lower()
         if base not in DATASETS:
-            fail(f"unknown data set {s!r}: use one of {', '.join(DATASETS)}")
+            fail(f"unknown data set {s!r}: use one of {', '.join(DATASETS)}, or MODULE:FUNCTION (your own)")
         if base != "synthetic" and ":" in v:
             fail(f"{s!r}: only synthetic takes parameters (synthetic:n=N,classes=K,shape=CxHxW,seed=S)")
         if base == "synthetic":
@@ -120,7 +126,8 @@ SHARED = [
            metavar="S[,S,S]", group=TEACHER),
     Option("--teacher-size", "resize images to HxW for the teacher", type=Size(), metavar="HxW", group=TEACHER),
     Option("--dataset", "digits | mnist5k (embedded) | synthetic[:n=..,classes=..,shape=CxHxW,seed=..] | mnist | "
-           "fashion-mnist | cifar10 | cifar100 | npz | recordio | imagefolder", type=DatasetSpec(),
+           "fashion-mnist | cifar10 | cifar100 | npz | recordio | imagefolder | MODULE:FUNCTION (your own: "
+           "FUNCTION(split) returns a data set of (image, label))", type=DatasetSpec(),
            default="digits", metavar="NAME", group=DATA, make="DATASET"),
     Option("--data-root", "local files of the data set (nothing is downloaded)", type=Path(exists=True),
            metavar="PATH", group=DATA, make="DATA_ROOT"),
@@ -130,8 +137,9 @@ SHARED = [
            metavar="N", group=DATA),
     Option("--views", "augmented views per sample; epoch e uses view e mod V", type=Int(1, 10000), default=1,
            metavar="V", group=DATA, make="VIEWS"),
-    Option("--augment", "auto | none | crop:PAD | flip | crop:PAD,flip; auto = none for 1 view, else the data "
-           "set's usual", type=AugmentSpec(), default="auto", metavar="SPEC", group=DATA),
+    Option("--augment", "auto | none | crop:PAD | flip | crop:PAD,flip | MODULE:FUNCTION (your own: "
+           "FUNCTION(image, rng) -> image, rng seeded by (seed, sample, view)); auto = none for 1 view, else the "
+           "data set's usual", type=AugmentSpec(), default="auto", metavar="SPEC", group=DATA, make="AUGMENT"),
     Option("--seed", "seed of the schedule and of the augmentation", type=Int(0, 2 ** 32 - 1), default=0,
            metavar="S", group=DATA, make="SEED"),
     Option("--cache-dir", "cache directory (default: $KDCACHE_DIR, else ./caches)", type=Dir(), metavar="DIR",
@@ -187,7 +195,8 @@ def resolve_teacher(args, parser=None):
 
 def check_applies(args, parser):
     """An option the data set (or the codec) would ignore is a mistake, not a silent no-op."""
-    base = args.dataset.split(":", 1)[0].lower()
+    from .pieces import is_piece
+    base = "MODULE:FUNCTION" if is_piece(args.dataset) else args.dataset.split(":", 1)[0].lower()
     for dest, flag, where, fix in (
             ("data_root", "--data-root", ("mnist", "fashion-mnist", "cifar10", "cifar100", "npz", "recordio",
                                           "imagefolder"), f"--dataset {base} is built in and reads no files"),

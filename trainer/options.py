@@ -61,17 +61,21 @@ class Student(Allowed):
     BUILTIN = ("mlp128", "mlp", "small_cnn", "digits_teacher")
 
     def __call__(self, s):
+        from pipeline.pieces import is_piece
+        if is_piece(s):
+            return s.strip()  # MODULE:FUNCTION(classes) -> HybridBlock, loaded (and checked) with the student
         zoo = zoo_names()
         if s not in self.BUILTIN and zoo is not None and s not in zoo:
-            fail(f"{s!r} is not a known network: use {', '.join(self.BUILTIN[:3])} or a Gluon model-zoo name "
-                 f"such as resnet18_v1, mobilenet0.25")
+            fail(f"{s!r} is not a known network: use {', '.join(self.BUILTIN[:3])}, a Gluon model-zoo name "
+                 f"such as resnet18_v1, mobilenet0.25, or MODULE:FUNCTION (your own)")
         return s
 
 
 KVSTORES = ("local", "device", "dist_sync", "dist_async", "dist_device_sync")
 
 TRAINER = [
-    Option("--student", "mlp128 | mlp | small_cnn | a Gluon model-zoo name (resnet18_v1, mobilenet0.25, ...)",
+    Option("--student", "mlp128 | mlp | small_cnn | a Gluon model-zoo name (resnet18_v1, mobilenet0.25, ...) | "
+           "MODULE:FUNCTION (your own: FUNCTION(classes) returns a HybridBlock)",
            type=Student(), default="mlp128", metavar="ARCH", group="student", make="STUDENT"),
     Option("--lr", "Adam learning rate (the defaults were measured on digits: see the README's table)",
            type=Float(0, 10, gt=True), default=1e-2, metavar="LR", group="student"),

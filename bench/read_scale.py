@@ -47,9 +47,9 @@ from kdcache.args import Int, Option  # noqa: E402
 DEFAULT_OUT = os.path.join("bench", "results", "read_scale.json")
 IMAGENET = 1_281_167
 FULL = dict(rows=IMAGENET, classes=1000, views=None, max_views=10, write_batch=256, mv_write_batch=16384,
-            open_repeats=3, gather_batches=2000, gather_repeats=3, disk_batches=100)
+            open_repeats=3, gather_batches=2000, gather_repeats=3, disk_batches=100, cold_rows=None)
 QUICK = dict(rows=100_000, classes=1000, views=3, max_views=3, write_batch=256, mv_write_batch=16384,
-             open_repeats=3, gather_batches=500, gather_repeats=3, disk_batches=50)
+             open_repeats=3, gather_batches=500, gather_repeats=3, disk_batches=50, cold_rows=25_000)
 
 OPTIONS = [
     quick_option("100,000 rows and 3 views instead of ImageNet-1k's 1,281,167 and up to 10: well under a minute"),
@@ -157,7 +157,7 @@ def run(args, p, root, rng, sections, busy):
         f"imported (no MXNet), and 'net' the Pss sum less it: what the readers add.{ram_note} {cpu}, the processes sharing {os.cpu_count()} cores."))
 
     step(5, "cold epochs from disk")
-    cold = S.bench_cold(path, spec, rng)
+    cold = S.bench_cold(path, spec, rng, p["cold_rows"])
     rows5 = [[f"map, {k} order", f"{cold[k]['resident_after_evict']:.1%}", S.fmt_s(cold[k]["open_s"]),
               S.fmt_s(cold[k]["epoch_s"]), rate(cold[k]["rows_per_s"]), f"{cold[k]['resident_after_epoch']:.0%}"]
              for k in ("random", "sequential")]
@@ -170,7 +170,8 @@ def run(args, p, root, rng, sections, busy):
     sections.append(("5. The first epoch from disk (page cache dropped)", md_table(
         ["reader", "file resident before", "open s", "epoch s", "rows/s", "resident after"], rows5),
         f"Before each line the file's pages are dropped (fsync, POSIX_FADV_DONTNEED; no process maps it) and the "
-        f"share still resident is measured with mincore. One epoch = {n:,} rows in batches of {S.BATCH}. A VM's "
+        f"share still resident is measured with mincore. One epoch = {cold['rows']:,} rows"
+        f"{'' if cold['rows'] == n else f' (of {n:,}: a part of one, in a quick run)'} in batches of {S.BATCH}. A VM's "
         f"host may cache the disk below the guest: 'cold' means not in this machine's page cache. {cpu}."))
     shutil.rmtree(os.path.dirname(path), ignore_errors=True)
 
@@ -191,9 +192,11 @@ def run(args, p, root, rng, sections, busy):
               S.fmt_gb(mr["pss_sum"]), f"{mr['pss_vs_file']:.2f}"]]),
             f"{why}. Written in key order, {p['mv_write_batch']} rows a write (set-up). Gathers: {mv['batches']} random "
             f"batches of {S.BATCH} (sample, view) keys from the map ({mv['resident_before_gather']:.0%} of the file in "
-            f"the page cache before), {mv['other_batches']} from CacheReader(mmap=False), which reads from RAM only "
-            f"when the cache fits its memory budget (half the available memory). Each reader process gathers every "
-            f"key once. {cpu}."))
+            f"the page cache before{'' if mv['resident_before_gather'] >= 0.9 else ': one round, partly from disk'}), "
+            f"{mv['other_batches']} from CacheReader(mmap=False), which reads from RAM only when the cache fits its "
+            f"memory budget (half the available memory). Each reader process gathers "
+            f"{'every key once' if mr['each_reads'] == 'every key' else 'every sample once in one view (i mod V)'}. "
+            f"{cpu}."))
     busy.append(cpu_between(step.snap, cpu_snapshot())["other_cores"])
     return {"rows": n, "classes": c, "file_bytes": size, "write": wr, "open": op, "gather": g, "readers": mem,
             "cold": cold, "multiview": mv, "multiview_choice": why}

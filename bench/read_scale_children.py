@@ -1,9 +1,10 @@
 """A reader process of bench.read_scale: open a finished cache, gather one random epoch, wait to be measured.
 
-    python -m bench.read_scale_children --path P --mode map|ram --sync DIR [--seed S] [--memory-budget BYTES]
+    python -m bench.read_scale_children --path P --mode map|ram --sync DIR [--seed S] [--memory-budget BYTES] [--view V]
 
 It opens CacheReader(P) (mode map: the default, memory-mapped; ram: mmap=False, the cache read
-into RAM within --memory-budget), gathers every key once in a random order, in batches of 256,
+into RAM within --memory-budget), gathers every key once in a random order (--view: every sample
+in that view, a training epoch), in batches of 256,
 prints one JSON line, then creates DIR/<pid>.ready and waits until DIR/release exists, so that
 the parent can read the memory of every reader while all of them are alive. It imports numpy,
 h5py and store only, never MXNet: what a data-loading process of a trainer holds.
@@ -55,29 +56,32 @@ def mapping_pss(pid, path):
     return {"pss": pss, "rss": rss}
 
 
-def gather_epoch(reader, seed):
-    """Every key of the cache once, in a random order, in batches of BATCH. Returns (rows, seconds)."""
+def gather_epoch(reader, seed, view=None):
+    """Every key of the cache once (view given: every sample once in that view, a training epoch), in a random
+    order, in batches of BATCH. Returns (rows, seconds)."""
     import numpy as np
-    nk, nv = reader.spec.num_keys, reader.spec.views
-    keys = np.random.default_rng(seed).permutation(nk)
+    nv = reader.spec.views
+    keys = np.random.default_rng(seed).permutation(reader.spec.num_samples if view is not None else reader.spec.num_keys)
     t0 = time.perf_counter()
-    for a in range(0, nk, BATCH):
+    for a in range(0, keys.size, BATCH):
         k = keys[a:a + BATCH]
-        if nv == 1:
+        if view is not None:
+            reader.get(k, views=view)
+        elif nv == 1:
             reader.get(k)
         else:
             reader.get(k // nv, views=k % nv)
-    return nk, time.perf_counter() - t0
+    return keys.size, time.perf_counter() - t0
 
 
-def child(path, mode, sync, seed, memory_budget, wait_s):
+def child(path, mode, sync, seed, memory_budget, wait_s, view):
     from store import CacheReader  # numpy and h5py with it
     before = smaps_rollup()  # the interpreter, numpy, h5py and store: what any reader process holds anyway
     t0 = time.perf_counter()
     reader = CacheReader(path, mmap=(mode == "map"), memory_budget=memory_budget)
     open_s = time.perf_counter() - t0
     after_open = smaps_rollup()
-    rows, epoch_s = gather_epoch(reader, seed)
+    rows, epoch_s = gather_epoch(reader, seed, view)
     held = reader._hot.dtype.str if reader._hot is not None else None  # the array a batch is gathered from
     print(json.dumps({"pid": os.getpid(), "mode": mode, "source": reader.source, "held_dtype": held,
                       "open_s": open_s, "rows": rows, "epoch_s": epoch_s, "rows_per_s": rows / epoch_s,
@@ -105,6 +109,8 @@ OPTIONS = [
     Option("--seed", "seed of the epoch's order", type=Int(0), default=0, metavar="S", group=RUN),
     Option("--memory-budget", "CacheReader's memory_budget in bytes (default: its own)", type=Int(0),
            metavar="BYTES", group=RUN),
+    Option("--view", "gather every sample once in this view (default: every key of every view)", type=Int(0),
+           metavar="V", group=RUN),
     Option("--wait-s", "longest wait for the release file", type=Float(0), default=900.0, metavar="S", group=RUN),
 ]
 
@@ -114,7 +120,7 @@ def main(argv=None):
     for flag, v in (("--path", args.path), ("--sync", args.sync)):
         if v is None:
             p.error(f"argument {flag}: required")
-    return child(args.path, args.mode, args.sync, args.seed, args.memory_budget, args.wait_s)
+    return child(args.path, args.mode, args.sync, args.seed, args.memory_budget, args.wait_s, args.view)
 
 
 if __name__ == "__main__":

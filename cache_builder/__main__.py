@@ -37,6 +37,10 @@ PRODUCER = [
            group="producing"),
     Option("--ring-capacity", "create the ring with this many rows (default: attach to the ring the trainer "
            "made)", type=Int(1, 1 << 28), metavar="ROWS", group="producing"),
+    Option("--hold", "with --online, as `kdcache train` starts its producer before it knows the cache's name: "
+           "load the data set and the teacher, then wait for one JSON line on stdin, {\"cache\": PATH, "
+           "\"fingerprint\": FP}, and fill the cache at PATH (FP must be the fingerprint these options give); "
+           "end of input ends it with nothing written", action="store_true", group="producing"),
     Option("--timeline", "with --online/--ring: write (time, schedule position, rows) per step to FILE as JSON "
            "when done", type=OutFile(), metavar="FILE", group="output"),
     Option("--json", "end with one JSON line: cache_path, fingerprint, rows_written, teacher_forwards, ...",
@@ -71,6 +75,9 @@ def parse_args(argv=None, prog="python -m cache_builder"):
         p.error("argument --timeline: an offline build follows no schedule; add --online (or drop --timeline)")
     if args.ring_capacity is not None and not args.ring:
         p.error("argument --ring-capacity: it sizes a ring; add --ring NAME (or drop --ring-capacity)")
+    if args.hold and (not args.online or args.ring or args.shards > 1 or args.cache):
+        p.error("argument --hold: it holds an --online producer until its cache is named on stdin; add --online, "
+                "drop --ring, --shards and --cache")
     if args.split == "test" and (args.online or args.ring):
         p.error("argument --split: the test split is filled offline; drop --online/--ring")
     return args
@@ -142,6 +149,16 @@ def run(args, log):
     result = {"cache_path": path + ".h5", "fingerprint": spec.fingerprint, "rows_written": 0,
               "teacher_forwards": 0, "reused": False, "complete": False, "shard": args.shard}
     timeline = [] if args.timeline else None
+    if args.hold:
+        from pipeline.teacher import check_fits, load_teacher
+        teacher = load_teacher(topt, args.batch_size)
+        check_fits(teacher, dataset)
+        path = await_cache(log, spec)
+        if path is None:
+            return 0
+        result["cache_path"] = path + ".h5"
+        return report(args, log, spec, fill(args, log, shard, path, spec, dataset, augment, topt, result, t0,
+                                            timeline, teacher))
     if args.ring:
         try:
             return run_ring(args, log, topt, dataset, augment, spec, result, timeline)
@@ -153,6 +170,28 @@ def run(args, log):
                                          dict(result, shard=f"{i}/{args.shards}"), t0, None))
     return report(args, log, spec, fill(args, log, shard, path, spec, dataset, augment, topt, result, t0,
                                         timeline))
+
+
+def await_cache(log, spec, stream=None):
+    """--hold: the cache's name, from one JSON line on stdin; None at end of input (the trainer
+    found the cache complete, or another producer filling it, or is gone)."""
+    log.info("loaded; waiting for the trainer to name the cache")
+    line = (stream or sys.stdin).readline()
+    if not line.strip():
+        log.info("the trainer needs no producer: nothing written")
+        return None
+    try:
+        go = json.loads(line)
+        path, fingerprint = go["cache"], go["fingerprint"]
+        if not (isinstance(path, str) and path and isinstance(fingerprint, str)):
+            raise TypeError
+    except (ValueError, KeyError, TypeError):
+        raise ValueError(f"--hold: stdin gave {line.strip()[:100]!r}, not one JSON line "
+                         f"{{\"cache\": PATH, \"fingerprint\": FP}}") from None
+    if fingerprint != spec.fingerprint:
+        raise ValueError(f"--hold: the trainer names cache {fingerprint}, these options give {spec.fingerprint}: "
+                         f"the two disagree on the teacher, the data set or the shared options; nothing written")
+    return path
 
 
 def report(args, log, spec, result):
@@ -251,16 +290,16 @@ def run_shards(args, log, path, spec, result, t0, fill_shard):
     return report(args, log, spec, result)
 
 
-def fill(args, log, shard, path, spec, dataset, augment, topt, result, t0, timeline):
-    """Fill this shard of the cache (offline or following the schedule); returns the result dict."""
+def fill(args, log, shard, path, spec, dataset, augment, topt, result, t0, timeline, teacher=None):
+    """Fill this shard of the cache (offline or following the schedule); returns the result dict.
+    `teacher`: already loaded and checked against the data (--hold), else loaded here when needed."""
     from cache_builder.produce import CacheSink, produce_offline, produce_online
     from pipeline.schedule import EpochDigests
     from pipeline.teacher import check_fits, load_teacher
     from store import CacheWriter
     from store.registry import final_path
     args_shard = f"{shard[0]}/{shard[1]}"
-    teacher = None
-    if not os.path.exists(final_path(path)):
+    if teacher is None and not os.path.exists(final_path(path)):
         # The teacher must fit the data before anything is written: a mistake leaves no cache behind.
         teacher = load_teacher(topt, args.batch_size)
         check_fits(teacher, dataset)
@@ -312,6 +351,8 @@ def run_ring(args, log, topt, dataset, augment, spec, result, timeline):
              ring.name, ring.capacity, args.epochs)
     ok = False
     try:
+        # Loaded once attached: the trainer's ring has both sides then, and a teacher that fails
+        # closes it as failed, which the trainer reports at once.
         teacher = load_teacher(topt, args.batch_size)
         check_fits(teacher, dataset)
         stats = produce_online(teacher, dataset, RingSink(ring, spec), seed=args.seed, augment=augment,

@@ -6,18 +6,6 @@ import sys
 import time
 
 
-def split_threads(args, cores, plan):
-    """Trainer threads: all cores when no producer runs beside it (no teacher, inline, a complete
-    cache, --no-producer), else the cores the producer leaves. Without a plan (a data set MXNet
-    decodes) the cache is taken to be incomplete."""
-    if args.threads:
-        return args.threads
-    if args.teacher_mode != "cache" or args.no_producer or (plan is not None and args.store == "cache"
-                                                            and plan.complete):
-        return cores
-    return max(1, cores - (args.producer_threads or 1))
-
-
 def summary(m):
     rows = [("teacher test accuracy", "-" if m["teacher_test_acc"] is None else f"{m['teacher_test_acc']:.4f}"),
             ("student test accuracy", f"{m['test_acc']:.4f}" if m["test_acc"] is not None else "-"),
@@ -53,25 +41,28 @@ def main(argv=None, prog="python -m trainer"):
     from pipeline.checkpoint import TeacherError
     from pipeline.datasets import DatasetError
     from store import StoreError
-    from trainer.targets import MXNET_DATASETS, TrainError, make_plan, start_early
+    from trainer.targets import MXNET_DATASETS, TrainError, make_plan, spawn_early, split_threads
     early = None
     try:
+        # The producer starts first, before this process loads its data or imports MXNet: its own
+        # start-up (MXNet, data, teacher) overlaps ours. Into a cache it waits for the plan to name it.
+        early = spawn_early(args, run_dir, split_threads(args, cores, None), cores)
         # The data, the teacher's identity and the cache's fingerprint, once; for data sets MXNet
         # decodes, after the threads are fixed.
-        plan = None if args.dataset.split(":")[0] in MXNET_DATASETS else make_plan(args)
+        mxnet_data = args.dataset.split(":")[0] in MXNET_DATASETS
+        plan = None if mxnet_data else make_plan(args)
         threads = split_threads(args, cores, plan)
         # Fixed before MXNet loads: only OMP_NUM_THREADS limits its compute threads, and a trainer
         # and a producer that both use every core run several times slower.
         os.environ["OMP_NUM_THREADS"] = str(threads)
         os.environ.setdefault("MXNET_SUBGRAPH_VERBOSE", "0")
-        if args.ctx.startswith("gpu"):  # GPUs MXNet cannot see: say so before a producer starts
+        if args.ctx.startswith("gpu"):  # GPUs MXNet cannot see: say so before the producer writes
             from trainer.train import resolve_ctx
             resolve_ctx(args.ctx)
-        if plan is not None:
-            # The producer starts now, before this process imports MXNet: its start-up overlaps ours.
-            early = start_early(args, plan, run_dir, threads, cores)
+        plan = plan or make_plan(args)
+        early.settle(args, plan)
         from trainer.train import run
-        m, run_dir = run(args, plan or make_plan(args), early, threads, cores)
+        m, run_dir = run(args, plan, early, threads, cores)
     except (TrainError, StoreError, DatasetError, TeacherError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

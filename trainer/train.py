@@ -23,7 +23,7 @@ from trainer.loss import KDLoss
 from trainer.models import get_model
 from trainer.prefetch import Prefetcher
 from trainer.targets import (TrainError, create_ring, producer_command, producer_failure, producer_result,
-                             producer_running, start_producer, stop_producer)
+                             producer_running, ring_targets, start_producer, stop_producer)
 
 log = logging.getLogger("kdcache.trainer")
 
@@ -173,7 +173,7 @@ def run(args, plan, early, threads, cores):
                 ring = create_ring(args, plan)
                 producer = start_producer(producer_command(args, plan, threads=pthreads, ring=ring.name,
                                                            result=result_file), producer_log)
-            targets = lambda st: ring.get(st.indices, st.epoch)
+            targets = ring_targets(ring, producer, producer_log, args.wait_timeout)
         else:
             base = plan.base
             cache_path = final_path(base)

@@ -88,6 +88,8 @@ def run(args, p, root, rng, sections, busy):
     if need > free - S.keep_free(free):
         raise RuntimeError(f"bench: writing {n:,} x {c} needs {need / S.GB:.1f} GB of disk, {free / S.GB:.1f} GB "
                            f"is free on {root}: pass --tmp on a larger disk, or --rows")
+    if args.views:  # refused now, not after five sections
+        S.choose_views(n, c, free, args.views, p["max_views"])
     step(1, f"writing {n:,} x {c} (full float16) in shuffled order")
     path, wr = S.write_cache(root, spec, pool, rng.permutation(n), p["write_batch"], "one-view")
     size = wr["file_bytes"]

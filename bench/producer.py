@@ -21,6 +21,10 @@ Gluon CNN built and exported here (explicit prefix, fixed seed); the data set is
    each process reports. The 2-shard cache must be complete and hold the single producer's
    logits (within one float16 step; bitwise identity is reported too).  floor: ratio >= 1.6
 3. Size of the finished cache and the teacher's forward time per batch (informative).
+4. The teacher against this core's peak: GFLOP/s per core of the bare forward and of the producer's loop
+   (2 x the multiply-adds bench.flops counts on the exported symbol) beside the float32 peak a child
+   measures (before section 1 and after section 2; the higher counts). A figure above 1.1x the peak, or
+   from a process that used more than 1.1 cores, is INVALID and the command fails (exit 1).
 
 Each run also records how many cores other processes kept busy meanwhile (/proc/stat minus this
 benchmark's own CPU time), so a report taken on a shared machine says how shared it was.
@@ -40,6 +44,7 @@ import time  # noqa: E402
 from bench.common import (Children, busy_warning, floors_line, heading, machine, machine_line,  # noqa: E402
     md_table, python_m, scratch_dir, section, spread, utc_now, verdict, write_report)
 from bench.cli import out_option, parse_args, quick_option, tmp_option  # noqa: E402
+from bench.flops import cpu_id, gflops_table, invalid_lines, peak_line, teacher_figures  # noqa: E402
 from bench.producer_children import CLASSES, SHAPE, TEACHER_WIDTHS  # noqa: E402
 from bench.producer_sections import FLOORS, THREADS, bench_overhead, bench_shards, log, write_npz  # noqa: E402
 
@@ -57,6 +62,30 @@ OPTIONS = [
     tmp_option("directory for the temporary teacher and caches (default: the system temp dir); everything written "
                "there is removed"),
 ]
+
+
+# -- 4. against the peak ------------------------------------------------------------------------------
+def against_peak(r1, teacher, peaks, batch):
+    """The bare forward (its median full batch) and the producer's loop (best run) as GFLOP/s per core,
+    beside the higher of the measured peaks."""
+    peak = max(peaks, key=lambda x: x["gflops"])
+    macs = teacher["macs_per_image"]["macs"]
+    shape = [int(s) for s in SHAPE.split("x")]
+    rps, cpu = r1["rows_per_s_all"]["producer"], r1["cpu_per_run"]["producer"]
+    best = max(range(len(rps)), key=rps.__getitem__)
+    rows = [teacher_figures("bench teacher, bare forward (median batch)", shape, macs,
+                            batch / (r1["bare_forward_ms_per_batch_median"] / 1e3), r1["bare_cores_used"], peak),
+            teacher_figures("bench teacher in the producer (whole loop)", shape, macs, rps[best],
+                            cpu[best]["own_cores"], peak)]
+    cpu_ident = cpu_id()
+    note = (peak_line(peak, cpu_ident) + f" (before section 1: {peaks[0]['gflops']:.1f}, after section 2: "
+            f"{peaks[-1]['gflops']:.1f}.) Multiply-adds: {macs:,} per image, counted by bench.flops on the exported "
+            f"symbol (Convolution, FullyConnected; BatchNorm, activations and pooling not counted). Cores used: "
+            f"CPU s / wall s of the bare loop; of the whole producer process (start-up included). A figure above "
+            f"1.1x the peak, or from more than 1.1 cores, is INVALID.")
+    invalid = invalid_lines(rows)
+    return ({"gflops": rows, "peak": peak, "peaks_gflops": [x["gflops"] for x in peaks], "cpu": cpu_ident,
+             "invalid": invalid, "valid": not invalid}, gflops_table(rows), note)
 
 
 # -- main -----------------------------------------------------------------------------------------
@@ -79,6 +108,7 @@ def main(argv=None):
         prefix = os.path.join(root, "teacher", "benchteacher")
         os.makedirs(os.path.dirname(prefix))
         teacher = kids.run(python_m("bench.producer_children", "export", "--teacher", prefix), "teacher export")
+        peaks = [kids.run(python_m("bench.producer_children", "peak"), "peak")]
         log("1/2 producer vs bare teacher forward")
         r1, t1, n1 = bench_overhead(root, kids, prefix, dataset_arg, p)
         sections.append(("1. Producer vs bare teacher forward (1 thread each)", t1, n1))
@@ -86,6 +116,7 @@ def main(argv=None):
         shard_data = write_npz(root, p["shard_n"])
         r2, t2, n2 = bench_shards(root, kids, prefix, shard_data, p)
         sections.append(("2. Two shards on two cores vs one producer", t2, n2))
+        peaks.append(kids.run(python_m("bench.producer_children", "peak"), "peak"))
     finally:
         kids.stop_all()
         shutil.rmtree(root, ignore_errors=True)
@@ -103,6 +134,8 @@ def main(argv=None):
           f"1 thread. Teacher: Conv-BN-ReLU-MaxPool x {len(TEACHER_WIDTHS)} (widths "
           f"{', '.join(map(str, TEACHER_WIDTHS))}), global average pool, Dense({c}).")
     sections.append(("3. Cache size and teacher forward time", t3, n3))
+    r4, t4, n4 = against_peak(r1, teacher, peaks, p["batch"])
+    sections.append(("4. The teacher against this core's peak", t4, n4))
 
     ratios = {"producer_vs_bare_forward": r1["producer_vs_bare_forward"],
               "two_shards_vs_one": r2["two_shards_vs_one"],
@@ -129,6 +162,7 @@ def main(argv=None):
         "all_pass": all(v == "PASS" for v in verdicts.values()) and r2["two_shard_cache_equal"],
         "sections": {"producer_vs_bare_forward": r1, "two_shards_vs_one": r2},
         "teacher": {"widths": list(TEACHER_WIDTHS), "classes": c, "shape": SHAPE, **teacher},
+        **r4,
         "dataset": dataset_arg,
         "shard_dataset": f"npz of synthetic:n={p['shard_n']},classes={CLASSES},shape={SHAPE} (uint8 NHWC)",
         "machine": m,
@@ -152,6 +186,9 @@ def main(argv=None):
 
     write_report(args.out, report)
     print(f"Report: {args.out}")
+    if not report["valid"]:  # the report keeps the evidence; the command fails
+        print("error: per-core figures one core cannot have produced:\n" + "\n".join(r4["invalid"]), file=sys.stderr)
+        return 1
     return 0
 
 

@@ -1,9 +1,12 @@
-"""The producer benchmark's MXNet processes: export its teacher, and the bare teacher loop it is compared with.
+"""The producer benchmark's MXNet processes: export its teacher, the bare teacher loop it is compared with,
+and this core's float32 peak.
 
     python -m bench.producer_children export --teacher PREFIX
     python -m bench.producer_children bare --teacher PREFIX --dataset SPEC --batch-size B
+    python -m bench.producer_children peak
 
-bench.producer starts both with one compute thread (bench.common.child_env); each prints one JSON line.
+bench.producer starts each with one compute thread (bench.common.child_env); each checks that its OpenMP
+runtimes run one thread (bench.flops.one_thread) and prints one JSON line.
 """
 import json
 import statistics
@@ -13,6 +16,7 @@ import time
 import numpy as np
 
 from bench.cli import RUN, check, check_child, like, parse_args, trainer_option
+from bench.flops import Meter, count_macs, measure_peak, one_thread
 from kdcache.args import Choice, Option, OutFile
 from pipeline.options import resolve_teacher
 
@@ -38,7 +42,9 @@ def child_export(prefix):
     net(mx.nd.zeros((1,) + tuple(int(s) for s in SHAPE.split("x")))).wait_to_read()
     net.export(prefix, 0)
     params = sum(int(np.prod(p.shape)) for p in net.collect_params().values())
-    print(json.dumps({"prefix": prefix, "parameters": params}))
+    # counted on the exported graph: what the producer loads and runs
+    macs = count_macs(mx.sym.load(prefix + "-symbol.json"), {"data": (1, *(int(s) for s in SHAPE.split("x")))})
+    print(json.dumps({"prefix": prefix, "parameters": params, "macs_per_image": macs}))
 
 
 def child_bare(prefix, dataset_arg, batch):
@@ -56,8 +62,9 @@ def child_bare(prefix, dataset_arg, batch):
     teacher.forward(x)
     keys = np.arange(len(dataset), dtype=np.int64)  # views=1: flat key = sample index
     augment = Augment()
+    threads = one_thread()
     views_s, forward_s = [], []
-    t0 = time.perf_counter()
+    meter = Meter().start()
     for a in range(0, keys.size, batch):
         idx = keys[a:a + batch]
         t1 = time.perf_counter()
@@ -66,16 +73,22 @@ def child_bare(prefix, dataset_arg, batch):
         teacher.forward(x)
         forward_s.append(time.perf_counter() - t2)
         views_s.append(t2 - t1)
-    seconds = time.perf_counter() - t0
+    seconds = meter.stop().wall
     full = [t for t, a in zip(forward_s, range(0, keys.size, batch)) if keys.size - a >= batch] or forward_s
     print(json.dumps({"rows": int(keys.size), "seconds": seconds, "rows_per_s": keys.size / seconds,
                       "forward_ms_per_batch_median": 1e3 * statistics.median(full),
                       "forward_ms_per_batch_min": 1e3 * min(full),
                       "make_views_ms_per_batch_median": 1e3 * statistics.median(views_s),
-                      "full_batches": len(full)}))
+                      "full_batches": len(full), "cores_used": meter.cores, "threads": threads}))
 
 
-NEEDS = {"export": ("teacher",), "bare": ("teacher", "dataset", "batch_size")}  # what each child reads
+def child_peak():
+    """This core's float32 peak (bench.flops.measure_peak), in a process with the teacher's threads."""
+    import mxnet  # noqa: F401  (its OpenMP runtime is checked too)
+    print(json.dumps({"threads": one_thread(), **measure_peak()}))
+
+
+NEEDS = {"export": ("teacher",), "bare": ("teacher", "dataset", "batch_size"), "peak": ()}  # what each child reads
 OPTIONS = [
     Option("--teacher", "the teacher's checkpoint prefix (export: where to write it)", metavar="PREFIX", group=RUN),
     like(trainer_option("dataset"), "bare: the data set (a --dataset value of the cache builder)", group=RUN),
@@ -85,11 +98,13 @@ OPTIONS = [
 
 def main(argv=None):
     p, args = parse_args("python -m bench.producer_children", __doc__.split("\n\n")[0], OPTIONS, argv,
-                         positionals=[("child", Choice(*NEEDS), "export | bare")])
+                         positionals=[("child", Choice(*NEEDS), "export | bare | peak")])
     check_child(p, args, NEEDS)
     if args.child == "export":
         check(p, "--teacher", OutFile(), args.teacher)  # PREFIX-symbol.json, ... are written in its folder
         child_export(args.teacher)
+    elif args.child == "peak":
+        child_peak()
     else:
         resolve_teacher(args, p)  # its checkpoint files are there and readable
         child_bare(args.teacher, args.dataset, args.batch_size)

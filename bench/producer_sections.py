@@ -118,6 +118,7 @@ def bench_overhead(root, kids, prefix, dataset_arg, p):
            "bare_forward_ms_per_batch_median": bare["forward_ms_per_batch_median"],
            "bare_forward_ms_per_batch_min": bare["forward_ms_per_batch_min"],
            "bare_make_views_ms_per_batch_median": bare["make_views_ms_per_batch_median"],
+           "bare_cores_used": bare["cores_used"], "bare_threads": bare["threads"],
            "cache_bytes": cache_bytes, "cpu_per_run": {k: [x["cpu"] for x in v] for k, v in runs.items()},
            **busy, "statistic": "best of the interleaved repeats (median also given)"}
     table = md_table(

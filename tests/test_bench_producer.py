@@ -32,8 +32,21 @@ def test_bench_producer_quick_writes_report(tmp_path):
     assert report["quick"] is True
     assert report["machine"]["mxnet"] and report["machine"]["numpy"] and report["date"]
 
+    # The teacher against this core's peak: its multiply-adds counted on the exported symbol (four 3x3 convs
+    # at 32, 16, 8 and 4 pixels, the Dense(10)), both figures per core, checked against the measured peak.
+    assert report["teacher"]["macs_per_image"]["macs"] == (32 * 32 * 32 * 27 + 16 * 16 * 32 * 288 + 8 * 8 * 64 * 288
+                                                           + 4 * 4 * 64 * 576 + 64 * 10)
+    assert report["valid"] is True and report["invalid"] == []
+    assert positive(report["peak"]["gflops"]) and len(report["peaks_gflops"]) == 2
+    assert report["cpu"]["family"] and report["peak"]["mx.nd.dot"]["cores_used"] <= 1.1
+    for row in report["gflops"]:
+        assert row["gflops_per_core"] == pytest.approx(row["gflop_per_image"] * row["images_per_s_per_core"])
+        assert row["gflops_per_core"] <= 1.1 * report["peak"]["gflops"] and row["cores_used"] <= 1.1
+        assert row["fraction_of_peak"] == pytest.approx(row["gflops_per_core"] / report["peak"]["gflops"])
+    assert "Measured peak:" in proc.stdout and "GFLOP/s per core" in proc.stdout
+
     # One markdown table per section on stdout, and every temporary file removed.
-    assert proc.stdout.count("\n## ") == 3 and "| verdict" in proc.stdout
+    assert proc.stdout.count("\n## ") == 4 and "| verdict" in proc.stdout
     assert os.listdir(tmp_path / "scratch") == []
 
 

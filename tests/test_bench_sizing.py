@@ -7,6 +7,8 @@ import time
 
 import pytest
 
+from tests.helpers import positive
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, PYTHONPATH=ROOT)
 DOOR_S = 5.0  # a refused command's whole run; a --quick sizing measures for ~9 s before it writes
@@ -50,10 +52,20 @@ def test_bench_sizing_quick_writes_report(tmp_path):
         assert 0 < rate < 10000 and t["batches_timed"] >= 1
         assert t["cores_to_feed_student"] == pytest.approx(1000 / rate)
         assert t["cold_epoch_minutes_with_cores"] == pytest.approx(1_281_167 / (10 * rate) / 60)
+    # each rate beside this core's peak: 2 x the multiply-adds of the network, no figure above one core's
+    published_macs = {"resnet50_v1": 3.86e9, "resnet18_v1": 1.82e9, "mobilenet1.0": 569e6}
+    peak = rep["peak"]["gflops"]
+    assert rep["valid"] is True and positive(peak) and rep["cpu"]["family"]
+    for name, t in rep["teachers"].items():
+        assert t["macs_per_image"] == pytest.approx(published_macs[name], rel=0.02)
+        assert t["gflops_per_core"] == pytest.approx(2 * t["macs_per_image"] / 1e9 * t["images_per_s_per_core"])
+        assert t["gflops_per_core"] <= 1.1 * peak and t["cores_used"] <= 1.1 and t["invalid"] == ""
+    assert rep["threads"]["before"]["OMP_NUM_THREADS"] == "1"
+    assert set(rep["threads"]["after"]["omp_max_threads"].values()) == {1}
     # a smaller network runs faster per core: the measurement is not a constant
     assert rep["teachers"]["mobilenet1.0"]["images_per_s_per_core"] > rep["teachers"]["resnet50_v1"][
         "images_per_s_per_core"]
-    assert r.stdout.count("\n## ") == 2 and "| teacher" in r.stdout
+    assert r.stdout.count("\n## ") == 3 and "| teacher" in r.stdout and "Measured peak:" in r.stdout
 
 
 @pytest.mark.parametrize("flag, argv", [

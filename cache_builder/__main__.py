@@ -322,7 +322,8 @@ def fill(args, log, shard, path, spec, dataset, augment, topt, result, t0, timel
                 stats = produce_offline(teacher, dataset, writer, seed=args.seed, augment=augment,
                                         batch_size=args.batch_size, progress=not args.quiet)
             result.update(rows_written=stats.rows_written, teacher_forwards=teacher.forwards,
-                          rows_per_s=round(stats.rows_per_s, 1), teacher_s=round(stats.teacher_seconds, 3))
+                          rows_per_s=round(stats.rows_per_s, 1), teacher_s=round(stats.teacher_seconds, 3),
+                          demand_rows=stats.demand_rows)
     except BaseException:
         writer.abort()  # committed rows stay; nothing half-written is ever marked done
         raise

@@ -1,6 +1,7 @@
 """Producing: run the teacher over (sample, view) keys and stream the logits into the store.
 
-Offline fills every key of the cache in key order. Online follows the training schedule, so
+Offline fills every key of the cache in key order, serving first the keys readers wait for or
+announce (store.demand: a user's shuffled DataLoader, whose order kdcache does not know). Online follows the training schedule, so
 keys are written in the order the trainer will read them, as far ahead as the store allows.
 """
 import dataclasses
@@ -15,6 +16,7 @@ from pipeline.augment import make_views
 from pipeline.interrupts import Interrupts
 from pipeline.schedule import schedule, steps_per_epoch
 from store import registry
+from store.demand import Demand
 
 log = logging.getLogger("kdcache.producer")
 
@@ -25,6 +27,7 @@ class Stats:
     teacher_forwards: int = 0
     seconds: float = 0.0
     teacher_seconds: float = 0.0
+    demand_rows: int = 0
 
     @property
     def rows_per_s(self):
@@ -37,8 +40,9 @@ def teacher_rows(teacher, dataset, indices, views, *, seed, augment):
     return teacher.forward(x)
 
 
-def produce_offline(teacher, dataset, writer, *, seed, augment, batch_size, progress=True):
-    """Fill every key this writer owes, in key order."""
+def produce_offline(teacher, dataset, writer, *, seed, augment, batch_size, progress=True, demand=True):
+    """Fill every key this writer owes, in key order; with `demand`, the keys readers wait for or
+    announce go first (polled between batches)."""
     spec = writer.spec
     # Batches are fixed blocks of this shard's keys, whatever is already done: a batch is
     # committed whole, so a resumed run feeds the teacher exactly the batches an uninterrupted
@@ -50,12 +54,19 @@ def produce_offline(teacher, dataset, writer, *, seed, augment, batch_size, prog
     t0 = time.perf_counter()
     bar = tqdm(total=owned.size, initial=owned.size - todo_n, unit="row", desc="teacher",
                disable=not progress, dynamic_ncols=True, smoothing=0.1)
+    wanted = Demand(writer.parts, spec.num_keys, writer.shard, writer.nshards) if demand else None
     interrupts = Interrupts().install()
+    a = 0
     try:
-        for a in range(0, owned.size, batch_size):
+        while a < owned.size:
             interrupts.check()  # Ctrl-C stops here, between committed batches
-            keys = owned[a:a + batch_size]
-            keys = keys[~writer.is_done(keys)]
+            keys = np.zeros(0, dtype=np.int64)
+            if wanted is not None and wanted.poll():
+                keys = wanted.take(writer.is_done, batch_size)
+            if keys.size == 0:  # the next block in key order
+                keys = owned[a:a + batch_size]
+                a += batch_size
+                keys = keys[~writer.is_done(keys)]
             if keys.size == 0:
                 continue
             idx, views = keys // spec.views, keys % spec.views
@@ -69,6 +80,10 @@ def produce_offline(teacher, dataset, writer, *, seed, augment, batch_size, prog
         interrupts.restore()
         bar.close()
         stats.seconds = time.perf_counter() - t0
+    if wanted is not None and wanted.served:
+        log.info("%d of %d rows were written first because readers were waiting for them or announced them",
+                 wanted.served, stats.rows_written)
+    stats.demand_rows = wanted.served if wanted is not None else 0
     return stats
 
 

@@ -15,7 +15,8 @@ COMPACT_TMP = re.compile(r"^([0-9a-f]{8,64})\.h5\.tmp-(\d+)$")        # a compac
 ASIDE = re.compile(r"^\.([0-9a-f]{8,64})\.(h5|parts)\.gc-(\d+)$")      # an entry renamed aside for removal
 # Files kdcache writes inside P.parts/ (see schema.py for what each holds).
 OWN_PART = re.compile(r"^(manifest\.json(\.tmp-\d+)?|\.?seg-\d+of\d+-\d+-\d+\.h5(\.tmp)?|shard-\d+of\d+\.lock"
-                      r"|compact\.lock|trainer-\d+\.json(\.tmp-\d+)?|\.compact-[a-z_]+\.tmp)$")
+                      r"|compact\.lock|trainer-\d+\.json(\.tmp-\d+)?|\.compact-[a-z_]+\.tmp"
+                      r"|demand-\d+-(wait|next)\.npy(\.tmp-\d+)?)$")
 
 
 def resolve_cache_dir(cache_dir=None):

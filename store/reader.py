@@ -20,6 +20,7 @@ import numpy as np
 from . import schema
 from .errors import (CacheNotFoundError, FingerprintMismatchError,
                      MissingTargetsError, ProducerGoneError)
+from .demand import publish, withdraw
 from .housekeeping import final_spec, parts_spec, settle
 from .mapped import MapUnavailable, map_fields
 from .osutil import available_memory
@@ -79,6 +80,7 @@ class CacheReader:
         self._segs = {}
         self._file = None
         self._tables = None
+        self._demanding = False  # this process has published demand files (removed on close)
         settle(self.base)  # a crash may have left every key committed and the compaction undone
         name = os.path.basename(self.base)
         if os.path.exists(self.final):
@@ -239,6 +241,16 @@ class CacheReader:
         self.refresh()
         return keys[~self._done[keys]]
 
+    def announce(self, indices, views=0):
+        """Tell producers which targets this reader will read next, in order (a shuffled epoch, say):
+        they serve those before the rest. A hint: False when nothing was published (the cache is
+        complete, or its folder is not writable)."""
+        keys = self.flat_keys(indices, views)
+        if self.complete or not os.path.isdir(self.parts):
+            return False
+        self._demanding = True
+        return publish(self.parts, "next", keys)
+
     def producer_alive(self):
         """True while a producer holds a lock on this cache. `grace_s` covers a producer that is
         still starting: it counts only until one has been seen."""
@@ -290,6 +302,8 @@ class CacheReader:
     def _wait(self, keys, timeout):
         t0 = time.monotonic()
         delay, next_check = 0.0005, t0 + 0.2
+        self._demanding = True  # producers serve what a reader waits for first
+        publish(self.parts, "wait", keys[~self._done[keys]])
         try:
             while True:
                 time.sleep(delay)
@@ -351,6 +365,9 @@ class CacheReader:
             self._file.close()
             self._file = None
         self._tables = self._hot = None  # a mapping closes with the last array over it
+        if self._demanding:
+            withdraw(self.parts)
+            self._demanding = False
 
     def __enter__(self):
         return self

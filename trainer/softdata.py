@@ -93,6 +93,16 @@ class SoftTargetDataset(gluon.data.Dataset):
     def __len__(self):
         return len(self.dataset)
 
+    def announce(self, order):
+        """Tell a producer still filling the cache the order this epoch reads samples in: it serves
+        them in that order (without it, it serves what the workers wait for, then key order)."""
+        return self.reader().announce(np.asarray(order, dtype=np.int64), self.view)
+
+    def sampler(self, shuffle=True):
+        """A sampler for DataLoader(..., sampler=ds.sampler()): each epoch a permutation seeded by
+        (seed, epoch), announced to the producer before the first batch."""
+        return _Announcing(self, shuffle)
+
     def __getitem__(self, idx):
         i = int(idx)
         if not 0 <= i < len(self.dataset):
@@ -119,3 +129,20 @@ class SoftTargetDataset(gluon.data.Dataset):
         if isinstance(epoch, int):
             state["_epoch"] = multiprocessing.RawValue(ctypes.c_int64, epoch)
         self.__dict__.update(state)
+
+
+class _Announcing(gluon.data.Sampler):
+    """Each epoch's order, seeded by (seed, epoch) and announced before it is read."""
+
+    def __init__(self, data, shuffle):
+        self.data, self.shuffle = data, bool(shuffle)
+
+    def __iter__(self):
+        n = len(self.data)
+        order = (np.random.default_rng([self.data.seed, self.data.epoch]).permutation(n) if self.shuffle
+                 else np.arange(n))
+        self.data.announce(order)
+        return iter(order.tolist())
+
+    def __len__(self):
+        return len(self.data)

@@ -92,6 +92,7 @@ def test_own_data_augmentation_and_student_train_and_verify(user):
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert res["student"] == "mine:student" and res["test_acc"] > 0.5 and res["teacher_forwards"] > 0
+    assert res["student_identity"].startswith("mine:student@") and len(res["student_identity"]) == 29
     cache = res["cache_path"]
     assert os.path.exists(cache if cache.endswith(".h5") else cache + ".h5")
     v = run(user, "verify", cache, "--teacher", "teacher", "--sample", "all")

@@ -49,7 +49,8 @@ def main(argv=None, prog="python -m trainer"):
         early = spawn_early(args, run_dir, split_threads(args, cores, None), cores)
         # The data, the teacher's identity and the cache's fingerprint, once; for data sets MXNet
         # decodes, after the threads are fixed.
-        mxnet_data = args.dataset.split(":")[0] in MXNET_DATASETS
+        from pipeline.pieces import is_piece  # a user's MODULE may import MXNet: after the threads too
+        mxnet_data = args.dataset.split(":")[0] in MXNET_DATASETS or is_piece(args.dataset)
         plan = None if mxnet_data else make_plan(args)
         threads = split_threads(args, cores, plan)
         # Fixed before MXNet loads: only OMP_NUM_THREADS limits its compute threads, and a trainer

@@ -72,3 +72,9 @@ def get_model(name, classes, prefix="student_"):
     except ValueError:
         raise ValueError(f"unknown network {name!r}: use one of {', '.join(BUILTIN)} or a Gluon model-zoo "
                          f"name such as resnet18_v1, mobilenet0.25") from None
+
+
+def model_identity(name):
+    """What a run records of its student: the name, and for MODULE:FUNCTION its source digest."""
+    from pipeline.pieces import is_piece, piece_identity
+    return piece_identity(name, "--student") if is_piece(name) else name

@@ -20,7 +20,7 @@ from store import CacheNotFoundError, CacheReader, ProducerGoneError, path_for, 
 from store.registry import final_path
 from trainer.checkpoint import load_checkpoint, save_checkpoint
 from trainer.loss import KDLoss
-from trainer.models import get_model
+from trainer.models import get_model, model_identity
 from trainer.prefetch import Prefetcher
 from trainer.targets import (TrainError, create_ring, producer_command, producer_failure, producer_result,
                              producer_running, ring_targets, start_producer, stop_producer)
@@ -310,7 +310,8 @@ def run(args, plan, early, threads, cores):
     if reader is not None:
         reader.close()
     metrics = {
-        "run": run_name, "dataset": args.dataset, "student": args.student, "teacher_mode": mode,
+        "run": run_name, "dataset": args.dataset, "student": args.student,
+        "student_identity": model_identity(args.student), "teacher_mode": mode,
         "store": args.store if mode == "cache" else None, "temperature": args.temperature,
         "alpha": args.alpha if mode != "none" else 0.0, "epochs": args.epochs, "seed": args.seed,
         "test_acc": final_acc, "teacher_test_acc": teacher_acc,

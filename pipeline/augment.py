@@ -157,11 +157,14 @@ class UserAugment:
 
 
 def as_augment(augment):
-    """An Augment, a UserAugment or None (no augmentation) from what a caller passes: None, a spec
-    string ("crop:4,flip"), an Augment, or a callable FUNCTION(image, rng)."""
+    """An Augment or a UserAugment from what a caller passes: None (no augmentation), a spec string
+    ("crop:4,flip"), "MODULE:FUNCTION", an Augment, or a callable FUNCTION(image, rng)."""
     if augment is None or isinstance(augment, (Augment, UserAugment)):
         return augment if augment is not None else Augment()
     if isinstance(augment, str):
+        from .pieces import is_piece, load_piece
+        if is_piece(augment):  # MODULE:FUNCTION, as on the command line
+            return UserAugment(load_piece(augment, "--augment"), name=augment.strip())
         return Augment.parse(augment)
     return UserAugment(augment)
 

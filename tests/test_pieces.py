@@ -147,3 +147,23 @@ def test_user_augment_views_are_keyed():
     assert np.array_equal(a, b[::-1]) and len({float(v) for v in a[:, 0, 0, 0]}) == 3
     assert key_rng(7, 1, 1).uniform() == key_rng(7, 1, 1).uniform() != key_rng(7, 1, 0).uniform()
     assert aug.spec.startswith(f"{__name__}:test_user_augment_views_are_keyed.<locals>.jitter@")
+
+
+def test_soft_target_dataset_over_own_pieces_matches_the_teacher(user, monkeypatch):
+    """The same pieces in a Gluon loop: SoftTargetDataset with --augment's MODULE:FUNCTION by name."""
+    r = run(user, "cache", "--teacher", "teacher", "--dataset", "mine:load", "--augment", "mine:jitter",
+            "--views", "2", "--seed", "3", "--dtype", "float32", "--quiet", "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    cache = json.loads(r.stdout.strip().splitlines()[-1])["cache_path"]
+    monkeypatch.chdir(user)
+    monkeypatch.syspath_prepend(str(user))
+    from pipeline.datasets import load_dataset
+    from pipeline.teacher import Teacher
+    from trainer import SoftTargetDataset
+    ds = SoftTargetDataset(load_dataset("mine:load"), cache, seed=3, views=2, augment="mine:jitter")
+    teacher = Teacher(str(user / "teacher"))
+    for epoch in (0, 1):
+        ds.set_epoch(epoch)
+        items = [ds[i] for i in range(0, len(ds), 37)]
+        x = np.stack([it[0] for it in items])
+        np.testing.assert_allclose(np.stack([it[2] for it in items]), teacher.forward(x), rtol=1e-4, atol=1e-4)

@@ -16,43 +16,9 @@ ENV = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
 ENV.update(OMP_NUM_THREADS="1", MXNET_SUBGRAPH_VERBOSE="0")
 KDCACHE = [sys.executable, "-m", "kdcache"]
 
-PIECES = textwrap.dedent('''
-    """A user's own pieces: digits as a list of (image, label), a jitter, a student."""
-    import numpy as np
-    from sklearn.datasets import load_digits
-
-
-    class Digits:
-        num_classes = 10
-
-        def __init__(self, split):
-            d = load_digits()
-            x = (d.images / 16.0).astype(np.float32)[:, None]
-            keep = np.arange(len(x)) % 5 != 0 if split == "train" else np.arange(len(x)) % 5 == 0
-            self.items = list(zip(x[keep], d.target[keep]))
-
-        def __len__(self):
-            return len(self.items)
-
-        def __getitem__(self, i):
-            return self.items[i]
-
-
-    def load(split):
-        return Digits(split)
-
-
-    def jitter(image, rng):
-        shift = int(rng.integers(-1, 2))
-        return np.roll(image, shift, axis=2) * np.float32(rng.uniform(0.9, 1.1))
-
-
-    def student(classes):
-        from mxnet import gluon
-        net = gluon.nn.HybridSequential(prefix="mine_")
-        with net.name_scope():
-            net.add(gluon.nn.Dense(48, activation="relu"), gluon.nn.Dense(classes))
-        return net
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The user's module: examples/own_pieces.py (a data set, a jitter, a student) and pieces that fail.
+PIECES = open(os.path.join(ROOT, "examples", "own_pieces.py")).read() + textwrap.dedent('''
 
 
     def broken(split):

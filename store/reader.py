@@ -120,6 +120,8 @@ class CacheReader:
             self._open_final()
         else:
             self.source = "ram" if self.in_ram else "disk"
+            log.info("%s is still being written: following its segments %s (mapped once finished)", self.base,
+                     "in RAM" if self.in_ram else "from disk per batch (larger than the memory budget)")
             if self.in_ram:
                 self._tables = {n: np.zeros((nk,) + tuple(s), dtype=self._ram_dtype.get(n, d))
                                 for n, s, d in self.codec.fields}

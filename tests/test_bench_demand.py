@@ -1,0 +1,64 @@
+"""The demand benchmark runs end to end (--quick): every scenario on a fresh cache, the references, the goals."""
+import os
+
+import pytest
+
+from tests.helpers import positive, run_bench
+from tests.test_bench_sizing import REPORT_MISTAKES, assert_refused
+
+SCENARIOS = ("key_order", "demand_wait", "demand_announced", "schedule")
+
+
+@pytest.mark.slow
+def test_bench_demand_quick_writes_report(tmp_path):
+    (tmp_path / "results").mkdir()
+    proc, report = run_bench("demand", tmp_path, timeout=580)
+    rows = {r["scenario"]: r for r in report["results"]}
+    assert set(rows) == set(SCENARIOS)  # the num_workers=1 and per-batch variants are the full run's
+    n = report["settings"]["n"]
+    for sc, r in rows.items():
+        assert positive(r["epoch1_s"]) and positive(r["ratio_to_slowest_stage"]), r
+        assert 0 <= r["stall_s"] <= r["data_wait_s"] + 1e-6 <= r["epoch1_s"] + 1e-6, r
+        assert 0 <= r["items_waited"] <= n and 0 <= r["read_when_producer_done"] <= 1, r
+        assert r["producer_rows"] == n, r  # a fresh cache each time: every row written once
+        assert r["num_workers"] == 0 and r["runs"] == 1 and len(r["each_run"]) == 1, r
+    # Demand reaches the producer only when it is asked to serve it, and an announced epoch is served from it.
+    assert rows["key_order"]["demand_rows"] == 0
+    assert rows["schedule"]["demand_rows"] == 0
+    assert 0 < rows["demand_wait"]["demand_rows"] <= n
+    assert 0 < rows["demand_announced"]["demand_rows"] <= n
+    assert rows["schedule"]["producer"] == "cache_builder --online"
+
+    why = report["why_waits_only"]
+    assert why["demand_batches"] >= 1 and why["demand_rows_per_batch"] >= 1 and why["items"] == n
+    st = report["stages"]
+    assert positive(st["producer_alone_s"]) and positive(st["student_alone"]["num_workers=0"]["median_s"])
+    assert st["slowest"]["num_workers=0"]["stage"] in ("producer", "student")
+    assert len(report["goals"]) == 3 and {g["verdict"] for g in report["goals"].values()} <= {"PASS", "MISS"}
+    assert report["goal_met"] in (True, False)
+    assert positive(report["calibration"]["ratio"])
+    assert report["quick"] is True and report["date"] and report["machine"]["mxnet"]
+    assert report["load"]["other_processes_cores_max"] is not None
+
+    assert "machine:" in proc.stdout and "## First epoch, cold cache" in proc.stdout and "## Goals" in proc.stdout
+    assert os.listdir(tmp_path / "scratch") == []
+
+
+SIZES = '{"reps":3,"tries":1,"epoch_s":1.5,"min_steps":6,"max_steps":40,"target":1.25}'
+
+
+@pytest.mark.parametrize("module, flag, argv", [
+    *(("demand", flag, argv) for flag, argv in REPORT_MISTAKES),
+    ("demand_children", "--root", "prepare --sizes " + SIZES),
+    ("demand_children", "--sizes", "prepare --root {tmp}/dir --sizes " + SIZES.replace("1.25", "0")),
+    ("demand_children", "--demand", "produce --teacher {tmp}/t --dataset digits --cache {tmp}/dir/c --demand maybe"),
+    ("demand_children", "--ready", "train --dataset digits --cache {tmp}/dir/c --order shuffle --read item "
+                                   "--workers 0"),
+    ("demand_children", "--workers", "train --dataset digits --cache {tmp}/dir/c --order shuffle --read item "
+                                     "--workers 2 --ready {tmp}/dir/r"),
+    ("demand_children", "--order", "train --dataset digits --cache {tmp}/dir/c --order random --read item "
+                                   "--workers 0 --ready {tmp}/dir/r"),
+    ("demand_children", "--root", "train --root {tmp}/dir --dataset digits --cache {tmp}/dir/c --order shuffle "
+                                  "--read item --workers 0 --ready {tmp}/dir/r")])
+def test_bench_demand_bad_options(tmp_path, module, flag, argv):
+    assert_refused(tmp_path, module, flag, argv)

@@ -53,7 +53,7 @@ TEACHER_DEP = $(if $(TEACHER),,$(DEFAULT_TEACHER_FILE))
 
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: help options setup test test-fast torture bench bench-kd bench-store bench-read bench-producer bench-sizing bench-codecs caches verify teacher cache cache-online train train-dist clean
+.PHONY: help options setup test test-fast torture bench bench-kd bench-demand bench-store bench-read bench-producer bench-sizing bench-codecs caches verify teacher cache cache-online train train-dist clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s "$$(printf '\t')"
@@ -78,8 +78,9 @@ torture: setup  ## the long fault runs: 20 kills of the producer, a 60 s soak, e
 	KDCACHE_TORTURE=1 $(PY) -m pytest -q $(PYTEST_ARGS) tests/test_faults.py tests/test_store_mp.py \
 		tests/test_compact_crash.py tests/test_store_trust.py tests/test_ring_trust.py tests/test_identity.py
 
-bench: setup $(CODEC_TEACHERS)  ## every benchmark side by side: KD scenarios, store, reading at scale, producer, ImageNet sizing, codecs (QUICK=1: short runs)
+bench: setup $(CODEC_TEACHERS)  ## every benchmark side by side: KD scenarios, demand-driven producing, store, reading at scale, producer, ImageNet sizing, codecs (QUICK=1: short runs)
 	$(PY) -m bench.kd $(if $(QUICK),--quick)
+	$(PY) -m bench.demand $(if $(QUICK),--quick)
 	$(PY) -m bench.store $(if $(QUICK),--quick)
 	$(PY) -m bench.read_scale $(if $(QUICK),--quick)
 	$(PY) -m bench.producer $(if $(QUICK),--quick)
@@ -88,6 +89,9 @@ bench: setup $(CODEC_TEACHERS)  ## every benchmark side by side: KD scenarios, s
 
 bench-kd: setup  ## KD scenarios: student alone, inline, online, warm cache, ring (QUICK=1 for a short run)
 	$(PY) -m bench.kd $(if $(QUICK),--quick)
+
+bench-demand: setup  ## a user's shuffled DataLoader against a producer still filling the cache: key order, demand-driven (waits, announced order), kdcache's schedule (QUICK=1 for a short run)
+	$(PY) -m bench.demand $(if $(QUICK),--quick)
 
 bench-producer: setup  ## producer overhead vs the bare teacher, and 2 shards vs 1 (QUICK=1 for a short run)
 	$(PY) -m bench.producer $(if $(QUICK),--quick)

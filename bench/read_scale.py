@@ -40,7 +40,6 @@ import numpy as np  # noqa: E402
 from bench import read_scale_sections as S  # noqa: E402
 from bench.common import (busy_warning, cpu_between, cpu_snapshot, floors_line, heading, machine,  # noqa: E402
     machine_line, md_table, rate, scratch_dir, section, utc_now, verdict, write_report)
-from bench.read_scale_sections import fmt_rate  # noqa: E402
 from bench.cli import RUN, out_option, parse_args, quick_option, tmp_option  # noqa: E402
 from kdcache.args import Int, Option  # noqa: E402
 
@@ -70,6 +69,18 @@ OPTIONS = [
 log = S.log
 
 
+def fmt_gb(b):
+    return f"{b / S.GB:.2f} GB" if b >= 0.1 * S.GB else f"{b / 1e6:.1f} MB"
+
+
+def fmt_s(s):
+    """Seconds: 3 significant digits (an open of the map takes milliseconds)."""
+    return f"{s:.3g}"
+
+
+def fmt_rate(x):
+    return rate(x) if x is not None else "-"
+
 def run(args, p, root, rng, sections, busy):
     """The six sections; fills `sections` with (title, table, note). Returns the report's measured part."""
     n, c, cpu = p["rows"], p["classes"], f"1 thread, {machine()['cpu_model'] or 'this CPU'}"
@@ -96,8 +107,8 @@ def run(args, p, root, rng, sections, busy):
     sections.append(("1. Writing the cache through CacheWriter", md_table(
         ["N x C (full float16)", "write order, rows a write", "write rows/s", "compaction s", "rows/s with close",
          "file"],
-        [[f"{n:,} x {c}", f"shuffled, {p['write_batch']}", rate(wr["rows_per_s"]), S.fmt_s(wr["compaction_s"]),
-          rate(wr["rows_per_s_with_close"]), S.fmt_gb(size)]]),
+        [[f"{n:,} x {c}", f"shuffled, {p['write_batch']}", rate(wr["rows_per_s"]), fmt_s(wr["compaction_s"]),
+          rate(wr["rows_per_s_with_close"]), fmt_gb(size)]]),
         f"Every row through CacheWriter.write (each batch flushed: SWMR, durable), then close(), which compacts the "
         f"segment into the key-ordered {os.path.basename(path)}.h5. Logits: {S.POOL} random rows tiled over the keys, "
         f"each key written into 3 columns. {cpu}."))
@@ -106,9 +117,9 @@ def run(args, p, root, rng, sections, busy):
     op, ram = S.bench_open(path, spec, p["open_repeats"])
     sections.append(("2. Opening the finished file", md_table(
         ["reader", "source", "open s", "RAM path / map"],
-        [["CacheReader(path) (mapped)", "map", f"{S.fmt_s(op['map_s_best'])} (best of {len(op['map_s'])})", ""],
+        [["CacheReader(path) (mapped)", "map", f"{fmt_s(op['map_s_best'])} (best of {len(op['map_s'])})", ""],
          ["CacheReader(path, mmap=False)", op.get("ram_source", "-"),
-          S.fmt_s(op["ram_s"]) if op["ram_s"] else f"skipped: {op['ram_skipped']}",
+          fmt_s(op["ram_s"]) if op["ram_s"] else f"skipped: {op['ram_skipped']}",
           f"{op['ram_vs_map']:.0f}x" if op["ram_vs_map"] else "-"]]),
         f"Same file, page cache warm. The RAM path reads it whole, widening float16 to float32 "
         f"(held {op.get('ram_held_dtype')}); the map reads nothing at open. {cpu}."))
@@ -142,15 +153,15 @@ def run(args, p, root, rng, sections, busy):
             rows4.append(["mmap=False", 0, "-", "skipped: not even one fits the available memory"] + [""] * 8)
             continue
         rows4.append([{"map": "mapped (default)", "ram": "mmap=False"}[mode], m["processes"], "/".join(m["sources"]),
-                      S.fmt_gb(m["pss_sum"]), f"{m['pss_vs_file']:.2f}", S.fmt_gb(m["pss_cache_map_sum"]),
-                      S.fmt_gb(m["pss_anon_sum"]), S.fmt_gb(m["pss_before_open_sum"]), f"{m['pss_net_vs_file']:.2f}",
+                      fmt_gb(m["pss_sum"]), f"{m['pss_vs_file']:.2f}", fmt_gb(m["pss_cache_map_sum"]),
+                      fmt_gb(m["pss_anon_sum"]), fmt_gb(m["pss_before_open_sum"]), f"{m['pss_net_vs_file']:.2f}",
                       rate(float(np.mean(m["epoch_rows_per_s"]))),
                       f"<= {fl4}" if mode == "map" else "", verdict(m["pss_vs_file"], fl4, False) if mode == "map"
                       else ""])
     ram_note = "" if mem["ram"] is None or mem["ram"]["processes"] == args.readers else (
         f" mmap=False ran {mem['ram']['processes']} processes, not {args.readers}: each holds "
-        f"{S.fmt_gb(S.ram_budget(spec))} and no more fit the memory available (keeping 1.5 GiB free).")
-    sections.append((f"4. Memory of {args.readers} reader processes on one file ({S.fmt_gb(size)})", md_table(
+        f"{fmt_gb(S.ram_budget(spec))} and no more fit the memory available (keeping 1.5 GiB free).")
+    sections.append((f"4. Memory of {args.readers} reader processes on one file ({fmt_gb(size)})", md_table(
         ["reader", "processes", "source", "Pss sum", "x file", "of it: cache map", "of it: anon",
          "Pss before open (sum)", "net x file", "epoch rows/s each", "floor", "verdict"], rows4),
         f"Each process opens CacheReader, gathers every row once in a random order (batches of {S.BATCH}), then "
@@ -160,20 +171,25 @@ def run(args, p, root, rng, sections, busy):
 
     step(5, "cold epochs from disk")
     cold = S.bench_cold(path, spec, rng, p["cold_rows"])
-    rows5 = [[f"map, {k} order", f"{cold[k]['resident_after_evict']:.1%}", S.fmt_s(cold[k]["open_s"]),
-              S.fmt_s(cold[k]["epoch_s"]), rate(cold[k]["rows_per_s"]), f"{cold[k]['resident_after_epoch']:.0%}"]
-             for k in ("random", "sequential")]
+    names = {"random": "map, random order", "sequential": "map, key order",
+             "random_readahead": "map, random order, the kernel's read-ahead (MADV_NORMAL)",
+             "random_read_first": "map, random order, after one plain read of the file"}
+    rows5 = [[label, f"{cold[k]['resident_after_evict']:.1%}", fmt_s(cold[k]["open_s"]), fmt_s(cold[k]["epoch_s"]),
+              rate(cold[k]["rows_per_s"]), fmt_s(cold[k]["total_s"]), f"{cold[k]['resident_after_epoch']:.0%}"]
+             for k, label in names.items()]
     pr = cold["plain_read"]
     rows5.append(["plain read of the file (64 MiB reads)", f"{pr['resident_after_evict']:.1%}", "", "",
-                  f"{pr['bytes_per_s'] / 1e6:.0f} MB/s", "100%"])
+                  f"{pr['bytes_per_s'] / 1e6:.0f} MB/s", fmt_s(size / pr["bytes_per_s"]), "100%"])
     if cold["ram_open"]:
         rows5.append(["mmap=False (reads it all at open)", f"{cold['ram_open']['resident_after_evict']:.1%}",
-                      S.fmt_s(cold["ram_open"]["open_s"]), "", "", ""])
+                      fmt_s(cold["ram_open"]["open_s"]), "", "", fmt_s(cold["ram_open"]["open_s"]), ""])
     sections.append(("5. The first epoch from disk (page cache dropped)", md_table(
-        ["reader", "file resident before", "open s", "epoch s", "rows/s", "resident after"], rows5),
+        ["reader", "file resident before", "open s", "epoch s", "rows/s", "total s", "resident after"], rows5),
         f"Before each line the file's pages are dropped (fsync, POSIX_FADV_DONTNEED; no process maps it) and the "
         f"share still resident is measured with mincore. One epoch = {cold['rows']:,} rows"
-        f"{'' if cold['rows'] == n else f' (of {n:,}: a part of one, in a quick run)'} in batches of {S.BATCH}. A VM's "
+        f"{'' if cold['rows'] == n else f' (of {n:,}: a part of one, in a quick run)'} in batches of {S.BATCH}; 'total' "
+        f"includes the plain read where one comes first. The reader advises MADV_RANDOM on its map (no read-ahead); "
+        f"the third line sets the kernel's default back on the same map. A VM's "
         f"host may cache the disk below the guest: 'cold' means not in this machine's page cache. {cpu}."))
     shutil.rmtree(os.path.dirname(path), ignore_errors=True)
 
@@ -184,14 +200,14 @@ def run(args, p, root, rng, sections, busy):
     if views:
         mv = S.bench_multiview(root, mv_rows, views, c, pool, p, rng, args.readers, args.seed)
         mr = mv["readers"]
-        sections.append((f"6. A cache of {views} views ({S.fmt_gb(mv['write']['file_bytes'])})", md_table(
+        sections.append((f"6. A cache of {views} views ({fmt_gb(mv['write']['file_bytes'])})", md_table(
             ["N x V x C", "file", "write rows/s", "compaction s", "map open s", "map get rows/s",
              "mmap=False source", "mmap=False rows/s", "map / mmap=False", f"Pss of {mr['processes']} mapped readers",
              "x file"],
-            [[f"{mv_rows:,} x {views} x {c}", S.fmt_gb(mv["write"]["file_bytes"]), rate(mv["write"]["rows_per_s"]),
-              S.fmt_s(mv["write"]["compaction_s"]), S.fmt_s(min(mv["map_open_s"])), rate(mv["map_rows_per_s"]),
+            [[f"{mv_rows:,} x {views} x {c}", fmt_gb(mv["write"]["file_bytes"]), rate(mv["write"]["rows_per_s"]),
+              fmt_s(mv["write"]["compaction_s"]), fmt_s(min(mv["map_open_s"])), rate(mv["map_rows_per_s"]),
               mv["other_source"], rate(mv["other_rows_per_s"]), f"{mv['map_vs_other']:.1f}",
-              S.fmt_gb(mr["pss_sum"]), f"{mr['pss_vs_file']:.2f}"]]),
+              fmt_gb(mr["pss_sum"]), f"{mr['pss_vs_file']:.2f}"]]),
             f"{why}. Written in key order, {p['mv_write_batch']} rows a write (set-up). Gathers: {mv['batches']} random "
             f"batches of {S.BATCH} (sample, view) keys from the map ({mv['resident_before_gather']:.0%} of the file in "
             f"the page cache before{'' if mv['resident_before_gather'] >= 0.9 else ': one round, partly from disk'}), "

@@ -9,7 +9,7 @@ import time
 import h5py
 import numpy as np
 
-from bench.common import Children, make_log, python_m, rate
+from bench.common import Children, make_log, python_m
 from bench.read_scale_children import BATCH, mapping_pss, smaps_rollup
 from bench.store_gather import epoch_batches, timed_rounds
 from store import CacheReader, CacheSpec, CacheWriter, path_for
@@ -274,22 +274,45 @@ def epoch(reader, order):
     return time.perf_counter() - t0
 
 
+def reader_mmap(reader):
+    """The mmap object under a mapped reader's arrays (None if not found): to try another madvise on it."""
+    a = reader._hot
+    while a is not None and not isinstance(a, mmap.mmap):
+        a = a.obj if isinstance(a, memoryview) else getattr(a, "base", None)
+    return a
+
+
 def bench_cold(path, spec, rng, rows=None):
-    """One epoch (its first `rows` batches' rows, when given) through the mapped reader right after the file's
-    pages were dropped: random order, then key order; today's RAM path's open from a cold file and a plain read
-    of the file, for comparison."""
+    """One epoch (its first `rows` rows, when given) through the mapped reader right after the file's pages were
+    dropped: random order, key order; random order with the kernel's default read-ahead on the map (the reader
+    asks for none: MADV_RANDOM), and after one sequential read of the file; today's RAM path's open from a cold
+    file and a plain read of the file, for comparison."""
     final, n = path + ".h5", spec.num_samples
     m = min(n, rows or n)
     res = {"resident_before_evict": resident_fraction(final), "rows": m, "of_rows": n}
-    for name, order in (("random", rng.permutation(n)[:m]), ("sequential", np.arange(m))):
+    perm = rng.permutation(n)[:m]
+
+    def readahead(r):
+        mm = reader_mmap(r)
+        if mm is None:
+            raise RuntimeError("bench: no mmap found under the mapped reader's arrays")
+        mm.madvise(mmap.MADV_NORMAL)
+    for name, order, before, after in (("random", perm, None, None), ("sequential", np.arange(m), None, None),
+                                       ("random_readahead", perm, None, readahead),
+                                       ("random_read_first", perm, read_through, None)):
         left = evict(final)
+        t0 = time.perf_counter()
+        if before:
+            before(final)
         r, open_s = timed_open(path, spec=spec)
+        if after:
+            after(r)
         s = epoch(r, order)
         r.close()
         res[name] = {"resident_after_evict": left, "open_s": open_s, "epoch_s": s, "rows_per_s": m / s,
-                     "resident_after_epoch": resident_fraction(final)}
+                     "total_s": time.perf_counter() - t0, "resident_after_epoch": resident_fraction(final)}
     res["evicted"] = all(res[k]["resident_after_evict"] is not None and res[k]["resident_after_evict"] < 0.05
-                         for k in ("random", "sequential"))
+                         for k in ("random", "sequential", "random_readahead", "random_read_first"))
     left = evict(final)
     res["plain_read"] = {"resident_after_evict": left, "bytes_per_s": read_through(final)}
     res["ram_open"] = None
@@ -368,15 +391,3 @@ def bench_multiview(root, rows, views, classes, pool, p, rng, readers, seed):
     shutil.rmtree(os.path.dirname(path), ignore_errors=True)
     return res
 
-
-def fmt_gb(b):
-    return f"{b / GB:.2f} GB" if b >= 0.1 * GB else f"{b / 1e6:.1f} MB"
-
-
-def fmt_s(s):
-    """Seconds: 3 significant digits (an open of the map takes milliseconds)."""
-    return f"{s:.3g}"
-
-
-def fmt_rate(x):
-    return rate(x) if x is not None else "-"

@@ -155,3 +155,31 @@ def test_a_ring_producer_that_exits_before_attaching_is_named_at_once(tmp_path):
             done = subprocess.Popen([sys.executable, "-c", "pass"])
             done.wait()
         assert np.array_equal(ring_targets(ring, done, str(log), 60)(st), want)
+
+
+def test_the_reader_opens_as_soon_as_a_live_producer_creates_the_cache(tmp_path):
+    """A trainer that gets to its cache before its producer has created it opens it once it is
+    there, not after asking the live producer how it exited (which gives it seconds to exit)."""
+    import threading
+    from store import CacheWriter, path_for
+    from tests.helpers import make_spec
+    from trainer.train import open_reader
+    spec = make_spec(num_samples=64)
+    base = path_for(str(tmp_path), spec.fingerprint)
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    writers = []
+    timer = threading.Timer(0.5, lambda: writers.append(CacheWriter(base, spec)))
+    try:
+        t = time.monotonic()
+        timer.start()
+        reader = open_reader(types.SimpleNamespace(wait_timeout=10), types.SimpleNamespace(base=base, spec=spec),
+                             live, 0, str(tmp_path / "producer.log"))
+        took = time.monotonic() - t
+        reader.close()
+        assert live.poll() is None and took < 3, took
+    finally:
+        timer.join()
+        for w in writers:
+            w.abort()
+        live.kill()
+        live.wait()

@@ -106,13 +106,14 @@ def open_reader(args, plan, producer, rank, producer_log):
         except CacheNotFoundError:
             if producer is None and rank == 0:
                 raise
-            failure = producer_failure(producer, producer_log)
+            # Asked only once it has exited: producer_failure() gives a live producer seconds to exit.
+            failure = producer_failure(producer, producer_log) if producer and producer.poll() is not None else None
             if failure:
                 raise TrainError(f"the cache is not there and no producer is running: the producer failed: "
                                  f"{failure} (see {producer_log})") from None
             if time.monotonic() > deadline:
                 raise TrainError(f"the producer made no cache within 120 s (see {producer_log})") from None
-            time.sleep(0.2)
+            time.sleep(0.05)
 
 
 def run(args, plan, early, threads, cores):

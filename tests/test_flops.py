@@ -91,6 +91,10 @@ def test_a_figure_above_the_measured_peak_is_invalid():
     bad_line, ok_line = table.splitlines()[2:]
     assert "INVALID" in bad_line and "150.9" not in bad_line and "INVALID" not in ok_line
     assert invalid_lines([row, ok]) == [f"INVALID: resnet18_v1: {row['invalid']}"]
+    # a loop that got half its core (another process ran) is valid but marked: it understates the core
+    shared = teacher_figures("resnet18_v1", (3, 224, 224), 1_814_073_344, 10.5, 0.49, {"gflops": 85.0})
+    assert shared["invalid"] == "" and shared["shared_core"] and "shared core" in gflops_table([shared])
+    assert not ok["shared_core"] and "shared core" not in ok_line
 
 
 def test_one_thread_refuses_another_omp_setting(monkeypatch):

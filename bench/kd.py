@@ -29,16 +29,18 @@ Scenarios, for each pair, each with a fresh cache directory where one is used:
   warm           a second experiment on the cache `online` completed: no teacher at all
   ring           --store ring: streamed through shared memory, nothing persisted
 Floors use two more measurements of each pair: "teacher alone" (the producer's offline loop,
-cache_builder.produce.produce_offline as `python -m cache_builder` runs it, filling the train
-split into a fresh cache on one thread, in a process of its own: rows/s of the loop -> seconds
-per epoch) and "student alone" (student_only's epoch 1).
+cache_builder.produce.produce_offline, as `python -m cache_builder --threads 1` runs it in a process
+of its own, filling the train split into a fresh cache: rows/s of the loop -> seconds per epoch; the
+median of 3 passes, --quick 1) and "student alone" (student_only's epoch 1). Epochs vary by several
+per cent from run to run here, so student_only, online and ring run twice more (one epoch each,
+round robin; not in --quick) and the epoch-1 floors compare medians of 3 runs; every run is reported.
 
 Each trainer and producer is watched by a /proc poller (every 0.2 s: VmHWM of the trainer and
 of its children), and the CPU time the other processes of the machine used meanwhile is recorded
 (/proc/stat), so a report taken on a shared machine says how shared it was.
 
 This module is the command (sizes, floors, report); bench.kd_scenarios runs the scenarios,
-bench.kd_children is the MXNet processes (calibration, teacher alone, the inline_async loop).
+bench.kd_children is the MXNet processes (calibration, the test-split caches, the inline_async loop).
 """
 import os
 import sys
@@ -48,21 +50,23 @@ if __package__ in (None, ""):  # run as a file: import the repo's packages, not 
 
 import json  # noqa: E402
 import shutil  # noqa: E402
+import statistics  # noqa: E402
 import time  # noqa: E402
 
 from bench.common import (ROOT, Children, busy_warning, child_env, floors_line, heading, machine,  # noqa: E402
     machine_line, md_table, python_m, scratch_dir, spread, utc_now, verdict, write_report)
 from bench.cli import OUTPUT, RUN, out_option, parse_args, quick_option, tmp_option  # noqa: E402
 from bench.kd_scenarios import (BATCH, ORDER, REQUIRED, RSS, SEED, STUDENT, TARGETS, THREADS, log,  # noqa: E402
-                                plot_online, result_rows, rounded, run_pair)
+                                plot_online, repeat_epoch1, result_rows, rounded, run_pair, teacher_alone)
 from kdcache.args import Option, OutFile  # noqa: E402
 
 DEFAULT_OUT = os.path.join("bench", "results", "kd.json")
 PNG_NAME = "kd_online.png"
 
-# Sizes: full run (~9 min on 2 idle cores) and --quick (~1.5-2 min: 14 MXNet processes' start-up).
-FULL = dict(epoch_s=10.0, min_steps=30, max_steps=400, epochs=2, reps=7, tries=4)
-QUICK = dict(epoch_s=1.5, min_steps=6, max_steps=40, epochs=1, reps=3, tries=1)
+# Sizes: full run (~14 min on 2 idle cores) and --quick (~2 min: 16 MXNet processes' start-up).
+# repeats: passes of each teacher alone, and runs of each epoch-1 floor's scenarios.
+FULL = dict(epoch_s=10.0, min_steps=30, max_steps=400, epochs=2, reps=7, tries=4, repeats=3)
+QUICK = dict(epoch_s=1.5, min_steps=6, max_steps=40, epochs=1, reps=3, tries=1, repeats=1)
 
 OPTIONS = [
     quick_option("a data set of a few seconds per epoch (figures noisier)"),
@@ -74,7 +78,7 @@ OPTIONS = [
 ]
 
 FLOORS = {"warm_vs_student_only": 0.97,           # warm samples/s >= 0.97 x student_only samples/s
-          "epoch1_vs_slowest_stage": 1.10,        # online/ring epoch 1 <= 1.10 x max(teacher alone, student alone)
+          "epoch1_vs_slowest_stage": 1.05,        # online/ring epoch 1 <= 1.05 x max(teacher alone, student alone)
           "vs_inline_heavy": 1.5}                 # online/ring samples/s >= 1.5 x inline's, heavy pair
 
 
@@ -82,9 +86,11 @@ def pair_table(rows):
     def mib(d, k):
         return f"{d[k]:.0f}" if d and d.get(k) else "-"
     return md_table(
-        ["scenario", "epochs", "samples/s", "ratio to student_only", "epoch-1 s", "epoch-2 s", "stall s", "cores used",
-         "peak RSS trainer MiB", "peak RSS producer MiB", "teacher forwards", "other procs (cores)"],
+        ["scenario", "epochs", "samples/s", "ratio to student_only", "epoch 1 starts (s after launch)", "epoch-1 s",
+         "epoch-2 s", "stall s", "cores used", "peak RSS trainer MiB", "peak RSS producer MiB", "teacher forwards",
+         "other procs (cores)"],
         [[r["scenario"], r["epochs"], f"{r['samples_per_s']:.0f}", f"{r['ratio_to_student_only']:.3f}",
+          "-" if r.get("epoch1_start_after_launch_s") is None else f"{r['epoch1_start_after_launch_s']:.2f}",
           f"{r['epoch1_s']:.2f}", "-" if r["epoch2_s"] is None else f"{r['epoch2_s']:.2f}",
           "-" if r["stall_s"] is None else f"{r['stall_s']:.2f}", f"{r['cpu_cores_used'] or 0:.2f}",
           mib(r["peak_rss_mib"], "trainer"), mib(r["peak_rss_mib"], "producer"), r["teacher_forwards"],
@@ -102,23 +108,30 @@ def floors(by, alone):
                     "limit": f">= {FLOORS['warm_vs_student_only']}",
                     "verdict": verdict(v, FLOORS["warm_vs_student_only"]),
                     "compares": "samples/s of warm / samples/s of student_only"})
-        slowest = max(alone[pair]["epoch_s"], so["epoch1_s"])
-        stage = "teacher" if alone[pair]["epoch_s"] >= so["epoch1_s"] else "student"
+        so_runs = so.get("epoch1_runs") or [so["epoch1_s"]]
+        slowest = max(alone[pair]["epoch_s"], statistics.median(so_runs))
+        stage = "teacher" if alone[pair]["epoch_s"] >= statistics.median(so_runs) else "student"
+        alone_txt = (f"median of {len(alone[pair]['passes_rows_per_s'])} passes" if stage == "teacher" else
+                     f"median of {len(so_runs)} runs: {', '.join(f'{e:.2f}' for e in so_runs)}")
         for sc in ("online", "ring"):
             r = by[pair][sc]
-            v = r["epoch1_s"] / slowest
-            wait0 = (r.get("startup") or {}).get("first_step_wait_s")
+            runs = r.get("epoch1_runs") or [r["epoch1_s"]]
+            waits = [(st or {}).get("first_step_wait_s") for st in (r.get("startup_runs") or [r.get("startup")])]
+            v = statistics.median(runs) / slowest
             out.append({"floor": f"{sc}_epoch1_vs_slowest_stage", "pair": pair, "measured": round(v, 4),
                         "limit": f"<= {FLOORS['epoch1_vs_slowest_stage']}",
                         "verdict": verdict(v, FLOORS["epoch1_vs_slowest_stage"], higher_is_better=False),
-                        "compares": f"epoch-1 s of {sc} ({r['epoch1_s']:.2f}, start-up inside) / slowest stage "
-                                    f"alone ({stage}: {slowest:.2f} s)",
+                        "compares": f"epoch-1 s of {sc} (median of {len(runs)} runs: "
+                                    f"{', '.join(f'{e:.2f}' for e in runs)}; start-up inside) / slowest stage alone "
+                                    f"({stage}: {slowest:.2f} s, {alone_txt})",
+                        "runs_measured": [round(e / slowest, 4) for e in runs],
                         # informative: the same without the first step's wait for the producer's start-up
-                        "startup_wait_s": wait0,
-                        "measured_without_startup_wait": None if wait0 is None else
-                        round((r["epoch1_s"] - wait0) / slowest, 4)})
+                        "startup_wait_s": None if None in waits else round(statistics.median(waits), 3),
+                        "measured_without_startup_wait": None if None in waits else
+                        round(statistics.median(e - w for e, w in zip(runs, waits)) / slowest, 4)})
     inline = by["heavy"]["inline"]
-    s_, t_ = by["heavy"]["student_only"]["epoch1_s"], alone["heavy"]["epoch_s"]
+    so = by["heavy"]["student_only"]
+    s_, t_ = statistics.median(so.get("epoch1_runs") or [so["epoch1_s"]]), alone["heavy"]["epoch_s"]
     for sc in ("online", "ring"):
         r = by["heavy"][sc]
         v = r["samples_per_s"] / inline["samples_per_s"]
@@ -140,7 +153,7 @@ def floors_table(fl):
     def aside(f):
         if f.get("measured_without_startup_wait") is None:
             return ""
-        return f"{f['measured_without_startup_wait']:.3f} (first wait {f['startup_wait_s']:.2f} s)"
+        return f"{f['measured_without_startup_wait']:.3f} (first wait {f['startup_wait_s']:.2f} s, median)"
     return md_table(["floor", "pair", "measured", "limit", "verdict", "without start-up wait", "compares"],
                     [[f["floor"], f["pair"], f"{f['measured']:.3f}", f["limit"], f["verdict"], aside(f), f["compares"]]
                      for f in fl])
@@ -164,18 +177,19 @@ def main(argv=None):
     try:
         log(f"{'quick' if args.quick else 'full'} run, temp dir {root}, load average {load_start[0]:.2f} "
             f"{load_start[1]:.2f} {load_start[2]:.2f}")
-        log("calibrating the teachers against the student's step, sizing the data set, timing each teacher alone "
-            "(one process, 1 thread)")
+        log("calibrating the teachers against the student's step, sizing the data set (one process, 1 thread)")
         sizes = {k: p[k] for k in ("reps", "tries", "epoch_s", "min_steps", "max_steps")}
         prep = kids.run(python_m("bench.kd_children", "prepare", "--root", root, "--sizes", json.dumps(sizes)),
                         "prepare", env=child_env(THREADS), log_dir=root, cwd=root, rss=RSS)
         n, steps, dataset, epochs = prep["n"], prep["steps_per_epoch"], prep["dataset"], p["epochs"]
-        alone = prep["alone"]
+        alone = {pair: teacher_alone(pair, c["prefix"], dataset, root, kids, p["repeats"])
+                 for pair, c in prep["pairs"].items()}
         for pair, c in prep["pairs"].items():
             log(f"  {pair}: width {c['width']} + {c['extra_convs']} convs, forward {c['forward_ms']:.1f} ms vs "
                 f"student step {c['step_ms']:.1f} ms per batch of {BATCH}: ratio {c['ratio']:.3f} (target "
                 f"{c['target']:.3f}); teacher alone {alone[pair]['rows_per_s']:.0f} rows/s = "
-                f"{alone[pair]['epoch_s']:.2f} s per epoch")
+                f"{alone[pair]['epoch_s']:.2f} s per epoch (median of "
+                f"{', '.join(f'{v:.0f}' for v in alone[pair]['passes_rows_per_s'])} rows/s)")
         log(f"data set {dataset}: {steps} steps of {BATCH} per epoch (~{steps * prep['student_step_ms'] / 1e3:.1f} s "
             f"of student), {epochs} epoch(s)")
         scenarios = [sc for sc in ORDER if sc in REQUIRED or not args.quick]
@@ -183,7 +197,8 @@ def main(argv=None):
         by = {}
         for pair in TARGETS:
             log(f"pair {pair}")
-            by[pair] = run_pair(pair, prep, epochs, root, kids, scenarios=scenarios)
+            by[pair] = repeat_epoch1(pair, prep, root, kids, run_pair(pair, prep, epochs, root, kids,
+                                                                       scenarios=scenarios), p["repeats"])
         gpu = {"skipped": True, "reason": "MXNet sees no GPU (mxnet.context.num_gpus() == 0): CPU-only machine",
                "results": []}
         if prep.get("num_gpus", 0) > 0:
@@ -223,7 +238,9 @@ def main(argv=None):
                      "teacher_alone_epoch_s": round(alone[pair]["epoch_s"], 3),
                      "teacher_alone_loop_s": round(alone[pair]["loop_s"], 3),
                      "teacher_alone_forward_s": round(alone[pair]["teacher_s"], 3),
-                     "student_alone_epoch1_s": by[pair]["student_only"]["epoch1_s"]} for pair in TARGETS}
+                     "teacher_alone_passes_rows_per_s": alone[pair]["passes_rows_per_s"],
+                     "student_alone_epoch1_s": statistics.median(by[pair]["student_only"]["epoch1_runs"]),
+                     "student_alone_epoch1_runs": by[pair]["student_only"]["epoch1_runs"]} for pair in TARGETS}
     others = spread(r["other_processes_cores"] for r in results)
     report = {
         "results": results,
@@ -258,7 +275,7 @@ def main(argv=None):
     print("## Calibration (one thread, batch of %d)\n" % BATCH)
     print(md_table(["pair", "teacher width + extra convs", "teacher params", "teacher forward ms", "student step ms",
                     "ratio (measured)", "target", "teacher alone rows/s", "teacher alone epoch s",
-                    "student alone epoch-1 s"],
+                    "student alone epoch-1 s (median)"],
                    [[pair, f"{c['width']} + {c['extra_convs']}", f"{c['teacher_parameters']:,}", f"{c['forward_ms']:.1f}",
                      f"{c['student_step_ms']:.1f}", f"{c['ratio']:.3f}", f"{c['target']:.3f}",
                      f"{stages[pair]['teacher_alone_rows_per_s']:.0f}", f"{stages[pair]['teacher_alone_epoch_s']:.2f}",
@@ -266,8 +283,10 @@ def main(argv=None):
     print("\nTeacher: (Conv-BN-ReLU x2, MaxPool) at widths w, 2w, 4w with the extra Conv-BN-ReLU at 4w, global "
           "average pool, Dense(10); forward via "
           "pipeline.teacher (the producer's and inline mode's runner). Teacher alone: the producer's offline loop "
-          "(cache_builder.produce.produce_offline) filling the train split into a fresh cache, 1 thread, nothing "
-          "else running: rows/s of the loop (start-up excluded).\n")
+          "(cache_builder.produce.produce_offline) as `python -m cache_builder --threads 1` runs it in a process of "
+          f"its own, filling the train split into a fresh cache, nothing else running: rows/s of the loop (start-up "
+          f"excluded), median of {p['repeats']} pass(es). Student alone: student_only's epoch 1, median of "
+          f"{p['repeats']} run(s).\n")
     for pair in TARGETS:
         rows = [r for r in results if r["pair"] == pair]
         print(f"## {pair} teacher (forward {calibration['pairs'][pair]['ratio']:.2f}x the student's step)\n")
@@ -282,9 +301,11 @@ def main(argv=None):
                              + (f"; the producer finished its first step {s['producer_first_step_into_epoch1_s']:.2f} s "
                                 f"into epoch 1" if "producer_first_step_into_epoch1_s" in s else ""))
         print("\n" + "; ".join(notes) + ".\n")
-    print("samples/s: training time only (epochs; set-up, evaluation and checkpoints excluded). epoch-1 s: the "
-          "trainer's epoch1_s; for online and ring it includes whatever of the producer's start-up (MXNet import, "
-          "teacher load) the trainer's own set-up did not cover. stall s: the trainer's wait for batches/targets "
+    print("samples/s: training time only (epochs; set-up, evaluation and checkpoints excluded). epoch 1 starts: "
+          "seconds from the trainer's launch to its first step's fetch (its own start-up; for online, also any wait "
+          "for the producer to create the cache). epoch-1 s: the trainer's epoch1_s; for online and ring it "
+          "includes whatever of the producer's start-up (MXNet import, data, teacher load) and first batch the "
+          "trainer's own start-up did not cover. stall s: the trainer's wait for batches/targets "
           "(not measured in inline_async). cores used: CPU time of the process tree / its wall time. "
           "inline_async: MXNET_CPU_WORKER_NTHREADS unset (1 engine worker); inline_async_2w: 2 workers, so the "
           "engine may use both cores (the budget of online/ring, not of inline). Peak RSS: VmHWM sampled every "

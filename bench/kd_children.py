@@ -57,8 +57,8 @@ def trainer_defaults():
 
 def child_prepare(root, reps, tries, epoch_s, min_steps, max_steps):
     """Everything before the scenarios, in one process on one thread (an MXNet start-up costs
-    seconds): calibrate and export the teachers, size the data set, time each teacher alone,
-    and build the trainer's teacher-accuracy caches of the test split. Prints one JSON line."""
+    seconds): calibrate and export the teachers, size the data set, and build the trainer's
+    teacher-accuracy caches of the test split. Prints one JSON line."""
     out_dir = os.path.join(root, "teachers")
     os.makedirs(out_dir, exist_ok=True)
     cal = calibrate(out_dir, reps, tries)
@@ -66,36 +66,10 @@ def child_prepare(root, reps, tries, epoch_s, min_steps, max_steps):
     steps = int(min(max_steps, max(min_steps, round(epoch_s / step_s))))
     n = steps * BATCH
     dataset = f"synthetic:n={n},classes={CLASSES},shape={'x'.join(map(str, SHAPE))}"
-    out = {**cal, "steps_per_epoch": steps, "n": n, "dataset": dataset, "alone": {}, "test_cache": {}}
+    out = {**cal, "steps_per_epoch": steps, "n": n, "dataset": dataset, "test_cache": {}}
     for pair, c in cal["pairs"].items():
-        out["alone"][pair] = teacher_alone(c["prefix"], dataset, os.path.join(root, pair, "caches-offline"))
         out["test_cache"][pair] = test_split_cache(c["prefix"], dataset, os.path.join(root, pair, "caches-test"))
     print(json.dumps(out))
-
-
-def teacher_alone(prefix, dataset_arg, cache_dir):
-    """The producer's offline loop (cache_builder.produce.produce_offline, what `python -m
-    cache_builder` runs) filling the train split into a fresh cache on this process's one thread:
-    its rows/s, start-up excluded."""
-    from cache_builder.produce import produce_offline
-    from pipeline.augment import Augment
-    from pipeline.cachespec import build_spec
-    from pipeline.checkpoint import teacher_identity
-    from pipeline.datasets import load_dataset
-    from pipeline.teacher import Teacher
-    from store import CacheWriter, path_for
-    train = load_dataset(dataset_arg, split="train")
-    spec = build_spec(teacher_identity(prefix), train, views=1, augment=Augment(), seed=SEED, codec="full",
-                      dtype="float16")
-    teacher = Teacher(prefix, batch_size=BATCH)
-    teacher.forward(train.get_batch([0, 1])[0])  # the CLI's class check, before its loop
-    teacher.forwards = 0
-    with CacheWriter(path_for(cache_dir, spec.fingerprint), spec) as w:
-        stats = produce_offline(teacher, train, w, seed=SEED, augment=Augment(), batch_size=BATCH, progress=False)
-    if not w.complete or stats.rows_written != len(train):
-        raise RuntimeError(f"bench: the offline producer left {cache_dir} incomplete ({stats})")
-    return {"rows": stats.rows_written, "rows_per_s": stats.rows_per_s, "loop_s": stats.seconds,
-            "teacher_s": stats.teacher_seconds, "epoch_s": len(train) / stats.rows_per_s}
 
 
 def test_split_cache(prefix, dataset_arg, cache_dir):

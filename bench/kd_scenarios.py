@@ -21,11 +21,35 @@ REQUIRED = ["student_only", "inline", "inline_async", "online", "warm", "ring"] 
 ORDER = ["online", "warm", "student_only", "ring", "inline", "inline_async", "inline_async_2w"]
 # inline_async_2w (informative) runs one epoch: inline methods run every epoch alike, and time is short.
 ONE_EPOCH = {"inline_async_2w"}
+# The epoch-1 floors' inputs, run again (one epoch each, round robin) so that their medians, not one
+# run each, meet the floor: this machine's epochs vary by several per cent from run to run.
+REPEATED = ["online", "student_only", "ring"]
 
 # Peak memory per role: the process started (the trainer) and a `cache_builder` below it.
 RSS = {"role": "trainer", "roles": {"producer": "cache_builder"}}
 
 log = make_log("bench.kd")
+
+
+# -- the stages alone --------------------------------------------------------------------------------------
+def teacher_alone(pair, prefix, dataset, root, kids, passes):
+    """The producer's offline loop as `python -m cache_builder` runs it, in a process of its own on one
+    thread, filling the train split into a fresh cache, `passes` times: the loop's rows/s (start-up
+    excluded) of each pass, and the median's seconds per epoch."""
+    runs = []
+    for i in range(passes):
+        cache_dir = os.path.join(root, pair, f"caches-alone-{i}")
+        res = kids.run(python_m("cache_builder", "--teacher", prefix, "--dataset", dataset, "--cache-dir", cache_dir,
+                                "--threads", THREADS, "--batch-size", BATCH, "--seed", SEED, "--quiet", "--json"),
+                       f"{pair} teacher alone {i + 1}", env=child_env(THREADS), log_dir=root, cwd=root)
+        if not res.get("complete") or res.get("rows_written") != res.get("teacher_forwards"):
+            raise RuntimeError(f"bench: the offline producer left {cache_dir} incomplete ({res})")
+        shutil.rmtree(cache_dir, ignore_errors=True)
+        runs.append(res)
+    med = sorted(runs, key=lambda r: r["rows_per_s"])[len(runs) // 2]
+    return {"rows": med["rows_written"], "rows_per_s": med["rows_per_s"], "teacher_s": med["teacher_s"],
+            "loop_s": med["rows_written"] / med["rows_per_s"], "epoch_s": med["rows_written"] / med["rows_per_s"],
+            "passes_rows_per_s": [r["rows_per_s"] for r in runs]}
 
 
 # -- one pair ----------------------------------------------------------------------------------------------
@@ -53,8 +77,9 @@ def read_json(path):
 
 
 def startup_note(res, run_dir, steps):
-    """Where the producer's start-up falls: epoch 1's start (from the trainer's timeline), the
-    producer's first finished step, and the trainer's wait for its first batch."""
+    """Where start-up ends, from the trainer's timeline: epoch 1's start after launch (the trainer's
+    own start-up, plus any wait for its producer before the loop), and for a run with a producer the
+    first step's wait (inside epoch 1) and the producer's first finished step."""
     tl = (read_json(os.path.join(run_dir, "timeline.json")) or {}).get("steps") or []
     ptl = (read_json(os.path.join(run_dir, "producer-timeline.json")) or {}).get("steps") or []
     if len(tl) < steps or not res.get("epoch1_s"):
@@ -67,10 +92,11 @@ def startup_note(res, run_dir, steps):
     return out
 
 
-def run_pair(pair, prep, epochs, root, kids, ctx=None, scenarios=ORDER):
+def run_pair(pair, prep, epochs, root, kids, ctx=None, scenarios=ORDER, round_=0):
     """Every scenario of one teacher/student pair, each cache-mode run in a fresh cache directory
-    that holds only the trainer's test-split cache. Returns {scenario: result}."""
-    tag = pair + ("-" + ctx.replace(":", "") if ctx else "")
+    that holds only the trainer's test-split cache. Returns {scenario: result}. `round_` > 0: a
+    repeat, in directories of its own."""
+    tag = pair + ("-" + ctx.replace(":", "") if ctx else "") + (f"-r{round_}" if round_ else "")
     base = os.path.join(root, tag)
     logs, runs = os.path.join(base, "logs"), os.path.join(base, "runs")
     for d in (logs, runs):
@@ -107,8 +133,7 @@ def run_pair(pair, prep, epochs, root, kids, ctx=None, scenarios=ORDER):
             res["test_producer_started"] = os.path.exists(os.path.join(run_dir, "producer-test.log"))
             if res["test_producer_started"]:
                 log(f"    warning: {run} started a producer for the test split (a third process)")
-            if sc in ("online", "ring"):
-                res["startup"] = startup_note(res, run_dir, steps)
+            res["startup"] = startup_note(res, run_dir, steps)
         res["epochs"] = ep
         out[sc] = res
         log(f"  {pair} {sc}: {res['samples_per_s']:.0f} samples/s, epoch 1 {res['epoch1_s']:.2f} s, stall "
@@ -116,6 +141,21 @@ def run_pair(pair, prep, epochs, root, kids, ctx=None, scenarios=ORDER):
             f"peak RSS {res['_peak_rss_mib']} MiB, {res['_cpu']['tree_cores'] or 0:.2f} cores used, other "
             f"processes {res['_cpu']['other_cores'] or 0:.2f} cores ({res['_wall_s']:.1f} s wall)")
     return out
+
+
+def repeat_epoch1(pair, prep, root, kids, runs, repeats, ctx=None):
+    """Run the REPEATED scenarios `repeats` - 1 more times (one epoch each) and give each of `runs`
+    its epoch-1 times of every run (the first from `runs` itself) and the repeats' start-up notes."""
+    for sc in REPEATED:
+        runs[sc]["epoch1_runs"] = [runs[sc]["epoch1_s"]]
+        runs[sc]["startup_runs"] = [runs[sc].get("startup")]
+    for i in range(1, repeats):
+        log(f"  {pair}: epoch-1 repeat {i} of {repeats - 1}")
+        extra = run_pair(pair, prep, 1, root, kids, ctx=ctx, scenarios=REPEATED, round_=i)
+        for sc in REPEATED:
+            runs[sc]["epoch1_runs"].append(extra[sc]["epoch1_s"])
+            runs[sc]["startup_runs"].append(extra[sc].get("startup"))
+    return runs
 
 
 def result_rows(pair, runs, section):
@@ -134,6 +174,8 @@ def result_rows(pair, runs, section):
                      "other_processes_cores": rounded(r["_cpu"]["other_cores"]),
                      "loadavg_1m": [r["_cpu"]["loadavg_1m_start"], r["_cpu"]["loadavg_1m_end"]],
                      "history": r.get("history"), "startup": r.get("startup"),
+                     "epoch1_start_after_launch_s": (r.get("startup") or {}).get("epoch1_start_after_launch_s"),
+                     "epoch1_runs": r.get("epoch1_runs"), "startup_runs": r.get("startup_runs"),
                      "engine_workers": r.get("engine_workers"),
                      "test_producer_started": r.get("test_producer_started", False)})
     return rows

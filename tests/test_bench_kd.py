@@ -42,7 +42,18 @@ def test_bench_kd_quick_writes_report_and_plot(tmp_path):
     for pair in PAIRS:
         c = report["calibration"]["pairs"][pair]
         assert positive(c["ratio"]) and positive(c["forward_ms"]) and positive(c["student_step_ms"])
-        assert positive(report["stages"][pair]["teacher_alone_epoch_s"])
+        st = report["stages"][pair]
+        assert positive(st["teacher_alone_epoch_s"]) and len(st["teacher_alone_passes_rows_per_s"]) == 1
+        # the epoch-1 floors: each run's figure, its median the measure (--quick: one run)
+        so = rows[(pair, "student_only")]
+        assert so["epoch1_runs"] == [so["epoch1_s"]] == [st["student_alone_epoch1_s"]]
+        slowest = max(st["teacher_alone_epoch_s"], st["student_alone_epoch1_s"])
+        for sc in ("online", "ring"):
+            f = report["floors"][f"{sc}_epoch1_vs_slowest_stage:{pair}"]
+            assert rows[(pair, sc)]["epoch1_runs"] == [rows[(pair, sc)]["epoch1_s"]]
+            assert f["runs_measured"] == [f["measured"]]
+            assert abs(f["measured"] - rows[(pair, sc)]["epoch1_s"] / slowest) < 1e-3
+            assert rows[(pair, sc)]["epoch1_start_after_launch_s"] > 0 and f["startup_wait_s"] >= 0
     assert report["quick"] is True and report["date"] and report["machine"]["mxnet"]
     assert report["gpu"]["skipped"] in (True, False)
 

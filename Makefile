@@ -105,7 +105,7 @@ bench-codecs: setup $(CODEC_TEACHERS)  ## soft-target codecs (full, topk:K, int8
 bench-store: setup  ## store micro-benchmarks: gather, write order, codec sizes (QUICK=1 for a short run)
 	$(PY) -m bench.store $(if $(QUICK),--quick)
 
-bench-read: setup  ## reading a finished cache at ImageNet-1k size: mapped vs RAM reader, open, gathers warm and cold, memory of 4 readers (writes up to ~55 GB in the temp dir, keeping 20 GB free; QUICK=1 for a short run)
+bench-read: setup  ## reading a finished cache at ImageNet-1k size: mapped vs RAM reader, open, gathers warm and cold, memory of 4 readers (writes as many views, up to 10, as leave 20 GB free in the temp dir; QUICK=1 for a short run)
 	$(PY) -m bench.read_scale $(if $(QUICK),--quick)
 
 teacher: setup $(DEFAULT_TEACHER_FILE)  ## train and export the default teacher of DATASET (digits, mnist5k: teachers/DATASET-*) if missing

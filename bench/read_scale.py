@@ -53,8 +53,8 @@ QUICK = dict(rows=100_000, classes=1000, views=3, max_views=3, write_batch=256, 
 OPTIONS = [
     quick_option("100,000 rows and 3 views instead of ImageNet-1k's 1,281,167 and up to 10: well under a minute"),
     out_option(DEFAULT_OUT),
-    tmp_option("directory for the caches (default: the system temp dir; a full run writes up to ~55 GB there, "
-               "keeping 20 GB free); everything written there is removed at the end"),
+    tmp_option("directory for the caches (default: the system temp dir; a full run writes as many views, up to 10, "
+               "as leave 20 GB free there); everything written there is removed at the end"),
     Option("--rows", "samples in the cache (default 1,281,167; --quick 100,000)", type=Int(1000), metavar="N",
            group=RUN),
     Option("--classes", "logits per row (default 1000)", type=Int(3), metavar="C", group=RUN),
@@ -172,7 +172,7 @@ def run(args, p, root, rng, sections, busy):
     step(5, "cold epochs from disk")
     cold = S.bench_cold(path, spec, rng, p["cold_rows"])
     names = {"random": "map, random order", "sequential": "map, key order",
-             "random_readahead": "map, random order, the kernel's read-ahead (MADV_NORMAL)",
+             "random_no_readahead": "map, random order, no read-ahead (MADV_RANDOM on the map)",
              "random_read_first": "map, random order, after one plain read of the file"}
     rows5 = [[label, f"{cold[k]['resident_after_evict']:.1%}", fmt_s(cold[k]["open_s"]), fmt_s(cold[k]["epoch_s"]),
               rate(cold[k]["rows_per_s"]), fmt_s(cold[k]["total_s"]), f"{cold[k]['resident_after_epoch']:.0%}"]
@@ -188,8 +188,8 @@ def run(args, p, root, rng, sections, busy):
         f"Before each line the file's pages are dropped (fsync, POSIX_FADV_DONTNEED; no process maps it) and the "
         f"share still resident is measured with mincore. One epoch = {cold['rows']:,} rows"
         f"{'' if cold['rows'] == n else f' (of {n:,}: a part of one, in a quick run)'} in batches of {S.BATCH}; 'total' "
-        f"includes the plain read where one comes first. The reader advises MADV_RANDOM on its map (no read-ahead); "
-        f"the third line sets the kernel's default back on the same map. A VM's "
+        f"includes the plain read where one comes first. The reader leaves the kernel's default read-ahead on its "
+        f"map; the third line turns it off (MADV_RANDOM) on the same map. A VM's "
         f"host may cache the disk below the guest: 'cold' means not in this machine's page cache. {cpu}."))
     shutil.rmtree(os.path.dirname(path), ignore_errors=True)
 

@@ -284,21 +284,21 @@ def reader_mmap(reader):
 
 def bench_cold(path, spec, rng, rows=None):
     """One epoch (its first `rows` rows, when given) through the mapped reader right after the file's pages were
-    dropped: random order, key order; random order with the kernel's default read-ahead on the map (the reader
-    asks for none: MADV_RANDOM), and after one sequential read of the file; today's RAM path's open from a cold
+    dropped: random order, key order (both with the kernel's default read-ahead, as the reader maps it); random
+    order with no read-ahead (MADV_RANDOM set on the reader's map), and after one sequential read of the file; today's RAM path's open from a cold
     file and a plain read of the file, for comparison."""
     final, n = path + ".h5", spec.num_samples
     m = min(n, rows or n)
     res = {"resident_before_evict": resident_fraction(final), "rows": m, "of_rows": n}
     perm = rng.permutation(n)[:m]
 
-    def readahead(r):
+    def no_readahead(r):
         mm = reader_mmap(r)
         if mm is None:
             raise RuntimeError("bench: no mmap found under the mapped reader's arrays")
-        mm.madvise(mmap.MADV_NORMAL)
+        mm.madvise(mmap.MADV_RANDOM)
     for name, order, before, after in (("random", perm, None, None), ("sequential", np.arange(m), None, None),
-                                       ("random_readahead", perm, None, readahead),
+                                       ("random_no_readahead", perm, None, no_readahead),
                                        ("random_read_first", perm, read_through, None)):
         left = evict(final)
         t0 = time.perf_counter()
@@ -312,7 +312,7 @@ def bench_cold(path, spec, rng, rows=None):
         res[name] = {"resident_after_evict": left, "open_s": open_s, "epoch_s": s, "rows_per_s": m / s,
                      "total_s": time.perf_counter() - t0, "resident_after_epoch": resident_fraction(final)}
     res["evicted"] = all(res[k]["resident_after_evict"] is not None and res[k]["resident_after_evict"] < 0.05
-                         for k in ("random", "sequential", "random_readahead", "random_read_first"))
+                         for k in ("random", "sequential", "random_no_readahead", "random_read_first"))
     left = evict(final)
     res["plain_read"] = {"resident_after_evict": left, "bytes_per_s": read_through(final)}
     res["ram_open"] = None

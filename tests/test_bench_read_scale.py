@@ -40,7 +40,7 @@ def test_bench_read_scale_quick_writes_report(tmp_path):
     assert not m["mxnet_loaded"] and not ram["mxnet_loaded"]
     assert m["rows_per_process"] == ROWS and all(positive(v) for v in m["epoch_rows_per_s"])
 
-    for order in ("random", "sequential", "random_readahead", "random_read_first"):
+    for order in ("random", "sequential", "random_no_readahead", "random_read_first"):
         c = r["cold"][order]
         assert positive(c["rows_per_s"]) and 0 <= c["resident_after_evict"] <= 1 and c["total_s"] >= c["epoch_s"]
 

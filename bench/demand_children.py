@@ -13,7 +13,6 @@ batch_size=64, ...) and a small_cnn step; it writes --ready once loaded, then wa
 and times its first epoch from there. `--read batch` is a prototype, not kdcache's API: the items carry no
 target, and a batchify_fn reads the batch's targets at once.
 """
-import argparse
 import ctypes
 import json
 import math
@@ -27,8 +26,9 @@ import time
 import numpy as np
 
 from bench.cli import RUN, check_child, like, parse_args, trainer_option
+from bench import kd_children
 from bench.kd_children import TEACHER_SHAPES, teacher_cost, teacher_net, trainer_defaults
-from kdcache.args import Allowed, Choice, Dir, Float, Int, Option, OutFile, fail
+from kdcache.args import Choice, Dir, Float, Int, Option, OutFile
 
 BATCH = 64
 CLASSES = 10
@@ -320,29 +320,11 @@ class _Fixed:
         return len(self.order)
 
 
-class Sizes(Allowed):
+class Sizes(kd_children.Sizes):
     """JSON of reps, tries, epoch_s, min_steps, max_steps, target: counts >= 1, epoch_s and target > 0,
     min_steps <= max_steps."""
 
-    KEYS = {"reps": Int(1), "tries": Int(1), "epoch_s": Float(0, None, gt=True), "min_steps": Int(1),
-            "max_steps": Int(1), "target": Float(0, None, gt=True)}
-
-    def __call__(self, s):
-        try:
-            v = json.loads(s)
-        except ValueError:
-            v = None
-        if not isinstance(v, dict) or set(v) != set(self.KEYS):
-            fail(f"{s!r}: use {self.allowed()}")
-        out = {}
-        for k, kind in self.KEYS.items():
-            try:
-                out[k] = kind(v[k])
-            except argparse.ArgumentTypeError as e:
-                fail(f"{k}: {e}")
-        if out["min_steps"] > out["max_steps"]:
-            fail(f"min_steps {out['min_steps']} is more than max_steps {out['max_steps']}")
-        return out
+    KEYS = {**kd_children.Sizes.KEYS, "target": Float(0, None, gt=True)}
 
 
 NEEDS = {"prepare": ("root", "sizes"), "produce": ("teacher", "dataset", "cache", "demand"),

@@ -9,7 +9,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from tests.helpers import expected_logits, make_spec  # noqa: E402
+from tests.helpers import expected_logits, gluon_teacher, make_spec  # noqa: E402
 
 # Tests stop commands with SIGINT, as Ctrl-C would. A test run started with SIGINT ignored (a
 # background job of a shell script) would pass that on to every command it starts.
@@ -22,6 +22,15 @@ def cache_dir(tmp_path):
     d = tmp_path / "caches"
     d.mkdir()
     return str(d)
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory):
+    """A small random Gluon teacher's checkpoint (tests.helpers.gluon_teacher): its prefix. Modules that need
+    another teacher define their own."""
+    p = str(tmp_path_factory.mktemp("t") / "t")
+    gluon_teacher(p)
+    return p
 
 
 @pytest.fixture

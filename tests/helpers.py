@@ -15,14 +15,17 @@ import numpy as np
 
 from store import CacheSpec, CacheWriter
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# What a test's child process runs with: the clone's packages, one compute thread, MXNet quiet.
+CHILD_ENV = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "MXNET_SUBGRAPH_VERBOSE": "0"}
+
 
 def run_bench(module, tmp_path, *args, timeout=600):
     """python -m bench.<module> --quick, its report in tmp_path/results and its scratch files in
     tmp_path/scratch. Asserts a clean exit; returns (the finished process, the JSON report)."""
     out, scratch = tmp_path / "results" / f"{module}.json", tmp_path / "scratch"
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run([sys.executable, "-m", f"bench.{module}", "--quick", "--out", str(out), "--tmp", str(scratch),
-                           *map(str, args)], cwd=root, env=dict(os.environ, PYTHONPATH=root), capture_output=True,
+                           *map(str, args)], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True,
                           text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc, json.loads(out.read_text())

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from tests.conftest import ROOT
-from tests.helpers import gluon_teacher
+from tests.helpers import CHILD_ENV, gluon_teacher
 
-ENV = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "MXNET_SUBGRAPH_VERBOSE": "0"}
+ENV = CHILD_ENV
 
 
 def module_teacher(prefix, classes=10, epoch=1):

@@ -14,10 +14,9 @@ from hypothesis import strategies as st
 
 from store import BadInputError, CacheReader, CacheSpec, CacheWriter, StoreError, make_codec, path_for, schema
 from store.registry import final_path, parts_path, verify
-from tests.conftest import ROOT
-from tests.helpers import expected_logits, make_spec, produce
+from tests.helpers import CHILD_ENV, expected_logits, make_spec, produce
 
-ENV = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "MXNET_SUBGRAPH_VERBOSE": "0"}
+ENV = CHILD_ENV
 
 
 def round_trip(x):

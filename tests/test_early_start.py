@@ -12,17 +12,10 @@ import numpy as np
 import pytest
 
 from tests.conftest import ROOT
-from tests.helpers import gluon_teacher
+from tests.helpers import CHILD_ENV
 
-ENV = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "MXNET_SUBGRAPH_VERBOSE": "0"}
+ENV = CHILD_ENV
 DATA = "synthetic:n=700,classes=10,shape=1x8x8"
-
-
-@pytest.fixture(scope="module")
-def teacher(tmp_path_factory):
-    p = str(tmp_path_factory.mktemp("t") / "t")
-    gluon_teacher(p)
-    return p
 
 
 def held(teacher, cache_dir, *extra):

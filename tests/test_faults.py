@@ -19,18 +19,11 @@ import pytest
 from store import CacheReader, CacheWriter, StoreError, UnsupportedFormatError, path_for
 from store.registry import final_path, parts_path, verify
 from tests.conftest import ROOT
-from tests.helpers import expected_logits, gluon_teacher, make_spec
+from tests.helpers import CHILD_ENV, expected_logits, gluon_teacher, make_spec
 
 TORTURE = os.environ.get("KDCACHE_TORTURE") == "1"
-ENV = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "MXNET_SUBGRAPH_VERBOSE": "0"}
+ENV = CHILD_ENV
 SYNTH = "synthetic:n=40000,classes=10,shape=1x8x8"
-
-
-@pytest.fixture(scope="module")
-def teacher(tmp_path_factory):
-    p = str(tmp_path_factory.mktemp("t") / "t")
-    gluon_teacher(p)
-    return p
 
 
 @pytest.fixture

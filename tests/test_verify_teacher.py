@@ -1,6 +1,5 @@
 """kdcache verify PATH --teacher: the teacher runs again on sampled keys and must match the stored rows."""
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -9,9 +8,9 @@ import h5py
 import numpy as np
 import pytest
 
-from tests.conftest import ROOT
+from tests.helpers import CHILD_ENV
 
-ENV = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "MXNET_SUBGRAPH_VERBOSE": "0"}
+ENV = CHILD_ENV
 
 
 def kdcache(cwd, *argv):

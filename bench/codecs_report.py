@@ -127,13 +127,15 @@ def print_report(report):
           f"load, accuracies do not (one thread per process, fixed seeds).")
     print(busy_warning(other, "this run"), end="")
     print(f"Student {s['student']}, Adam lr {s['lr']:g}, batch {s['batch_size']}, wd {s['wd']:g}, "
-          f"KD T={s['temperature']:g}, alpha={s['alpha']:g}; seeds {', '.join(map(str, s['seeds']))}; one view. "
+          f"KD T={s['temperature']:g}, alpha={s['alpha']:g}. "
           f"T²·KL: mean over the training rows of T²·KL(teacher ‖ rebuilt) against the teacher's float32 logits; "
           f"ideal: top-K exact, the exact tail mass spread evenly.\n")
     for name, d in report["datasets"].items():
         t = d["teacher"]
+        views = "one view" if d["views"] == 1 else f"{d['views']} views ({d['augment']}; epoch e reads view e mod " \
+                                                     f"{d['views']}, every student alike)"
         print(f"## {name}: {d['classes']} classes, {d['n_train']:,} training / {d['n_test']:,} test samples, "
-              f"{d['epochs']} student epochs\n")
+              f"{d['epochs']} student epochs, {views}, seeds {', '.join(map(str, d['seeds']))}\n")
         print(f"Teacher: {t['source']}, test accuracy {pct(t['test_acc'])}.\n")
         print(codec_table(d) + "\n")
     print("## Floors\n")
@@ -147,7 +149,9 @@ def print_report(report):
         g = h["gap_closed"]
         print(f"Distillation closes {g['cache']:.2f} of the gap between the student from scratch and the teacher "
               f"from the cache, {g['inline']:.2f} inline (goal >= {GAP_GOAL}; Hinton et al. 2015 on MNIST: "
-              f"146 -> 74 errors with a 67-error teacher, {h['hinton_2015_mnist_gap_closed']:.2f}). The cache was "
-              f"filled once ({d['n_train']:,} teacher forwards) for every seed and codec row; inline runs the teacher "
-              f"on every sample of every epoch.\n")
+              f"146 -> 74 errors with a 67-error teacher, {h['hinton_2015_mnist_gap_closed']:.2f}). From the cache: "
+              f"{h['rows']['cache']['teacher_forwards']:,} teacher forwards in all ({d['n_train']:,} samples x "
+              f"{d['views']} view(s){'' if d['views'] == 1 else ' x ' + str(len(d['seeds'])) + ' seeds: the views are keyed by the seed'}"
+              f"), each cache filled once and read by every epoch; inline runs the teacher on every sample of every "
+              f"epoch.\n")
     print(f"Missed: {', '.join(f['floor'] for f in report['floors'] if f['verdict'] == 'MISS') or 'none'}.")

@@ -112,7 +112,7 @@ def check_final(f, path, spec):
     if not isinstance(flag, np.integer) or flag != 1:  # compaction writes 1 before the file gets its name
         raise bad(path, f"attribute {schema.A_COMPLETE} is {flag!r}, not 1: the file was not finished by kdcache")
     n, v = spec.num_samples, spec.views
-    size = os.path.getsize(path)
+    size = open_file_size(f)
     need = spec.num_keys * (spec.make_codec().bytes_per_row + 1)
     if need > size:
         raise bad(path, f"declares {n} samples x {v} views ({need:,} bytes of targets) but the file holds "
@@ -163,11 +163,20 @@ def check_segment(f, path, spec):
     return rows
 
 
+def open_file_size(f):
+    """The size of an open HDF5 file's bytes, through its descriptor: a compaction may have removed the
+    path since it was opened (the open file stays readable)."""
+    try:
+        return os.fstat(f.id.get_vfd_handle()).st_size
+    except (OSError, ValueError, TypeError, AttributeError):  # a driver without a POSIX descriptor
+        return os.path.getsize(f.filename)
+
+
 def check_committed(f, rows, capacity, row_bytes):
     """The committed row count a segment's state holds is possible: within its room and its file."""
     if not 0 <= rows <= capacity:
         raise bad(f.filename, f"its state says {rows} rows are committed, it has room for {capacity}")
-    size = os.path.getsize(f.filename)
+    size = open_file_size(f)
     if rows * row_bytes > size:
         raise bad(f.filename, f"its state says {rows} rows ({rows * row_bytes:,} bytes) are committed but "
                               f"the file holds {size:,} bytes")

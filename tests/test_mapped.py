@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from store import BadInputError, CacheReader, path_for, schema
-from store.registry import final_path
+from store.registry import final_path, parts_path
 from tests.helpers import expected_logits, make_spec, produce
 
 CODECS = [("full", "float16"), ("full", "float32"), ("topk:3", "float16"), ("topk:3", "float32"),
@@ -130,6 +130,29 @@ def test_a_reader_that_followed_the_producers_switches_to_the_map(cache_dir):
     assert r.complete and r.source == "map"
     assert np.array_equal(r.get(np.arange(200), 1), want[np.arange(200) * 2 + 1])
     r.close()
+
+
+@pytest.mark.parametrize("budget", [None, 1])  # in RAM, and from disk per batch
+def test_a_segment_removed_after_the_reader_opened_it_is_still_read(cache_dir, budget):
+    """Compaction removes segments a following reader may have open (a second worker opened the cache
+    just as its producer finished): the open file stays readable, and its new rows are taken in."""
+    spec = make_spec(num_samples=300, num_classes=9, codec="full", dtype="float32")
+    p = path_for(cache_dir, spec.fingerprint)
+    from store import CacheWriter
+    from store.segment import list_segments
+    w = CacheWriter(p, spec)
+    w.write(np.arange(100), expected_logits(np.arange(100), 9))
+    r = CacheReader(p, spec=spec, memory_budget=budget)
+    assert not r.complete and r.progress == 100 / 300
+    w.write(np.arange(100, 200), expected_logits(np.arange(100, 200), 9))
+    (seg,) = list_segments(parts_path(p))
+    os.rename(seg, seg + ".gone")  # its path disappears; the reader's and the writer's files stay open
+    r.refresh()
+    assert r.progress == 200 / 300
+    assert np.array_equal(r.get(np.arange(200), wait=False), expected_logits(np.arange(200), 9))
+    r.close()
+    os.rename(seg + ".gone", seg)
+    w.close()
 
 
 def rewrite_chunked(path):

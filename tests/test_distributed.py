@@ -80,6 +80,21 @@ def test_dist_sync_workers_start_from_worker_0s_parameters_every_time(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_worker_that_fails_after_joining_ends_the_job_with_its_error(tmp_path):
+    """Worker 1 refuses its run folder once the kvstore has named its rank; its exit must not wait in the
+    kvstore's barrier for a worker 0 that waits for it (the job hung there until killed)."""
+    taken = tmp_path / "runs" / "f" / "worker-1"
+    taken.mkdir(parents=True)
+    (taken / "state.json").write_text("{}")
+    t = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "trainer.launch", "--workers", "2", "--", "--quiet", "--runs-dir",
+                        str(tmp_path / "runs"), "--cache-dir", str(tmp_path / "caches"), "--teacher-mode", "none",
+                        "--epochs", "1", "--run", "f"], env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 2 and time.monotonic() - t < 120
+    assert "worker-1 exists: pass --resume" in r.stderr and "worker 1 exited with status 2" in r.stderr, r.stderr
+
+
+@pytest.mark.slow
 def test_a_killed_worker_ends_the_job_with_a_clear_error(tmp_path):
     p = launch(tmp_path, "--teacher-mode", "none", "--dataset", "synthetic:n=200000,classes=10,shape=1x8x8",
                "--epochs", 1, "--batch-size", 32, "--run", "k", popen=True)

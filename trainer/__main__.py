@@ -4,6 +4,7 @@ import logging
 import os
 import sys
 import time
+import traceback
 
 
 def summary(m):
@@ -20,6 +21,26 @@ def summary(m):
 
 
 def main(argv=None, prog="python -m trainer"):
+    if os.environ.get("DMLC_ROLE") != "worker":
+        return train_main(argv, prog)
+    # A distributed worker: MXNet's kvstore, destroyed at exit, waits at a barrier for every worker, so a
+    # worker that ended on an error would wait there for ever (and its job with it). It leaves without
+    # running destructors instead, and its launcher stops the others.
+    try:
+        code = train_main(argv, prog)
+    except SystemExit as e:  # argparse's errors
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    if code:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def train_main(argv=None, prog="python -m trainer"):
     from trainer.options import parse_args
     args = parse_args(argv, prog)
     args.run_name = args.run or time.strftime("%Y%m%d-%H%M%S")

@@ -116,6 +116,9 @@ def open_reader(args, plan, producer, rank, producer_log):
             time.sleep(0.05)
 
 
+KVSTORES = []
+
+
 def run(args, plan, early, threads, cores):
     t_start = time.perf_counter()
     ctx = resolve_ctx(args.ctx)
@@ -129,6 +132,9 @@ def run(args, plan, early, threads, cores):
             raise TrainError(f"--kvstore {args.kvstore}: {str(e).strip().splitlines()[-1][:200]}; for dist_* start "
                              f"the workers with `python -m trainer.launch` (or set the DMLC_* variables)") from None
         rank, workers = kv.rank, kv.num_workers
+        # Held to the end of the process: freeing a dist kvstore waits at a barrier for every worker, which
+        # a worker leaving on an error must not do (python -m trainer then exits without destructors).
+        KVSTORES.append(kv)
     run_name = args.run_name
     run_dir = os.path.join(args.runs_dir, run_name)
     if workers > 1:

@@ -81,6 +81,7 @@ class CacheReader:
         self._file = None
         self._tables = None
         self._demanding = False  # this process has published demand files (removed on close)
+        self.waits = 0  # times get() waited for targets not written yet
         settle(self.base)  # a crash may have left every key committed and the compaction undone
         name = os.path.basename(self.base)
         if os.path.exists(self.final):
@@ -305,6 +306,7 @@ class CacheReader:
         t0 = time.monotonic()
         delay, next_check = 0.0005, t0 + 0.2
         self._demanding = True  # producers serve what a reader waits for first
+        self.waits += 1
         publish(self.parts, "wait", keys[~self._done[keys]])
         try:
             while True:

@@ -109,3 +109,38 @@ def test_a_waiting_reader_is_served_before_key_order(tmp_path):
     assert d.poll() and d.take(lambda k: np.zeros(len(k), bool), 8).tolist() == [1999, 1500]
     r.close()
     assert not Demand(parts_path(base), spec.num_keys).poll()
+
+
+@pytest.mark.parametrize("announce", [False, True])
+def test_a_dataset_that_waits_without_its_order_says_once_how_to_announce_it(tmp_path, announce):
+    import threading
+    import warnings
+
+    from pipeline import load_dataset
+    from pipeline.cachespec import build_spec
+    from trainer import SoftTargetDataset
+    data = load_dataset("synthetic:n=60,classes=10,shape=1x4x4")
+    spec = build_spec({"name": "fake"}, data, codec="full", dtype="float32")
+    base = path_for(str(tmp_path), spec.fingerprint)
+    w = CacheWriter(base, spec)
+    w.write(np.arange(30), FakeTeacher().forward(data.get_batch(np.arange(30))[0]))
+    ds = SoftTargetDataset(data, base, heartbeat_timeout=5.0)
+    if announce:
+        order = list(ds.sampler())  # what a DataLoader's sampler does at each epoch
+        assert sorted(order) == list(range(60))
+    late = threading.Timer(0.3, lambda: w.write(np.arange(30, 60),
+                                                FakeTeacher().forward(data.get_batch(np.arange(30, 60))[0])))
+    late.start()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        items = [ds[5]]  # written: no wait, no hint
+        assert ds.reader().waits == 0 and not caught
+        items += [ds[i] for i in (45, 50, 59)]  # 45 is not written yet: the reader waits
+    late.join()
+    assert ds.reader().waits == 1
+    x, _ = data.get_batch(np.array([5, 45, 50, 59]))
+    assert np.array_equal(np.stack([it[2] for it in items]), FakeTeacher().forward(x))
+    hints = [c for c in caught if "sampler=ds.sampler()" in str(c.message)]
+    assert len(hints) == (0 if announce else 1), [str(c.message) for c in caught]  # once, and only without order
+    ds.reader().close()
+    w.close()

@@ -13,6 +13,7 @@ pages shared), and a cache still being written is followed as the producer commi
 import ctypes
 import multiprocessing
 import os
+import warnings
 
 import numpy as np
 from mxnet import gluon
@@ -46,6 +47,8 @@ class SoftTargetDataset(gluon.data.Dataset):
         self.num_classes = reader.spec.num_classes
         self._reader, self._pid = reader, os.getpid()
         self._epoch = multiprocessing.RawValue(ctypes.c_int64, 0)
+        self._announced = multiprocessing.RawValue(ctypes.c_bool, False)  # an order was (or will be) announced
+        self._hinted = False
 
     def _check(self, reader):
         spec = reader.spec
@@ -96,11 +99,13 @@ class SoftTargetDataset(gluon.data.Dataset):
     def announce(self, order):
         """Tell a producer still filling the cache the order this epoch reads samples in: it serves
         them in that order (without it, it serves what the workers wait for, then key order)."""
+        self._announced.value = True
         return self.reader().announce(np.asarray(order, dtype=np.int64), self.view)
 
     def sampler(self, shuffle=True):
         """A sampler for DataLoader(..., sampler=ds.sampler()): each epoch a permutation seeded by
         (seed, epoch), announced to the producer before the first batch."""
+        self._announced.value = True  # before the DataLoader forks its workers: they see it
         return _Announcing(self, shuffle)
 
     def __getitem__(self, idx):
@@ -114,20 +119,31 @@ class SoftTargetDataset(gluon.data.Dataset):
         image, label = item[0], item[1]
         image = np.asarray(image.asnumpy() if hasattr(image, "asnumpy") else image, dtype=np.float32)
         image = apply_one(self.augment, image, self.seed, i, v)
-        soft = self.reader().get(np.array([i]), v)[0]
+        reader = self.reader()
+        waits = reader.waits
+        soft = reader.get(np.array([i]), v)[0]
+        if reader.waits != waits and not self._announced.value and not self._hinted:
+            self._hinted = True  # once per process
+            warnings.warn(f"SoftTargetDataset: waited for the target of sample {i}, which the producer has not "
+                          f"written yet; without the epoch's order it serves one waited item at a time, then key "
+                          f"order. Pass sampler=ds.sampler() to the DataLoader (or call ds.announce(order) before "
+                          f"each epoch) and it fills the order you read in", stacklevel=2)
         return image, label, soft
 
     def __getstate__(self):
         state = dict(self.__dict__)
         state["_reader"] = None  # each process opens its own
-        if multiprocessing.context.get_spawning_popen() is None:
-            state["_epoch"] = int(self._epoch.value)  # pickled outside process start: a plain value
+        if multiprocessing.context.get_spawning_popen() is None:  # pickled outside process start: plain values
+            state["_epoch"] = int(self._epoch.value)
+            state["_announced"] = bool(self._announced.value)
         return state
 
     def __setstate__(self, state):
-        epoch = state["_epoch"]
+        epoch, announced = state["_epoch"], state.get("_announced", False)
         if isinstance(epoch, int):
             state["_epoch"] = multiprocessing.RawValue(ctypes.c_int64, epoch)
+        if isinstance(announced, bool):
+            state["_announced"] = multiprocessing.RawValue(ctypes.c_bool, announced)
         self.__dict__.update(state)
 
 

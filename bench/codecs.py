@@ -84,7 +84,8 @@ class DatasetList(Allowed):
 
 OPTIONS = [
     Option("--datasets", "data sets (default: all three)", type=DatasetList(), metavar="LIST", group=RUN),
-    Option("--seeds", "student seeds 0..N-1 for every data set (default 5, mnist5k 10; --quick 1)", type=Int(1, 100), metavar="N", group=RUN),
+    Option("--seeds", "student seeds 0..N-1 for every data set (default 5, mnist5k 10; --quick 1)", type=Int(1, 100),
+           metavar="N", group=RUN),
     Option("--jobs", "children run at once, one thread each (default: the usable cores)", type=Int(1, 64),
            metavar="N", group=RUN),
     Option("--teachers", "where the digits and mnist5k teachers are (default teachers, as `make teacher` builds "

@@ -147,11 +147,12 @@ def print_report(report):
         print("## Distillation on mnist5k, in the manner of Hinton et al. (2015)\n")
         print(hinton_table(h) + "\n")
         g = h["gap_closed"]
+        per_seed = "" if d["views"] == 1 else f" x {len(d['seeds'])} seeds: the views are keyed by the seed"
         print(f"Distillation closes {g['cache']:.2f} of the gap between the student from scratch and the teacher "
               f"from the cache, {g['inline']:.2f} inline (goal >= {GAP_GOAL}; Hinton et al. 2015 on MNIST: "
               f"146 -> 74 errors with a 67-error teacher, {h['hinton_2015_mnist_gap_closed']:.2f}). From the cache: "
               f"{h['rows']['cache']['teacher_forwards']:,} teacher forwards in all ({d['n_train']:,} samples x "
-              f"{d['views']} view(s){'' if d['views'] == 1 else ' x ' + str(len(d['seeds'])) + ' seeds: the views are keyed by the seed'}"
+              f"{d['views']} view(s){per_seed}"
               f"), each cache filled once and read by every epoch; inline runs the teacher on every sample of every "
               f"epoch.\n")
     print(f"Missed: {', '.join(f['floor'] for f in report['floors'] if f['verdict'] == 'MISS') or 'none'}.")

@@ -152,7 +152,8 @@ def main(argv=None, prog="python -m trainer.launch"):
             failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
             dead_ps = [(r, pr.returncode) for r, pr in procs if r != "worker" and pr.poll() not in (None, 0)]
             if failed or dead_ps:
-                what = ", ".join([f"worker {i} exited with status {c}" for i, c in failed] +
+                # by pid: the kvstore ranks workers in the order they join, not the order they were started
+                what = ", ".join([f"the worker with pid {workers[i].pid} exited with status {c}" for i, c in failed] +
                                  [f"{r} exited with status {c}" for r, c in dead_ps])
                 stop_all()
                 print(f"error: {what}; the other processes were stopped (a dist_sync job cannot go on without "

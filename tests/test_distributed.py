@@ -88,9 +88,7 @@ def test_a_worker_that_fails_after_joining_ends_the_job_with_its_error(tmp_path)
     taken.mkdir(parents=True)
     (taken / "state.json").write_text("{}")
     t = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "trainer.launch", "--workers", "2", "--", "--quiet", "--runs-dir",
-                        str(tmp_path / "runs"), "--cache-dir", str(tmp_path / "caches"), "--teacher-mode", "none",
-                        "--epochs", "1", "--run", "f"], env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    r = launch(tmp_path, "--teacher-mode", "none", "--epochs", 1, "--run", "f")
     assert r.returncode == 2 and time.monotonic() - t < 120
     # named by pid: the kvstore ranks workers in the order they join, not the order they were started
     assert "worker-1 exists: pass --resume" in r.stderr and re.search(r"the worker with pid \d+ exited with status 2",

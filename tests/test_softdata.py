@@ -1,17 +1,15 @@
 """SoftTargetDataset in a user's own Gluon loop: every soft target it returns is the teacher's
 output for that item's view, in a DataLoader with worker processes, epoch after epoch."""
 import json
-import os
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from tests.helpers import gluon_teacher
+from tests.helpers import CHILD_ENV, ROOT, gluon_teacher
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = {**os.environ, "PYTHONPATH": ROOT, "MXNET_SUBGRAPH_VERBOSE": "0", "OMP_NUM_THREADS": "1"}
+ENV = CHILD_ENV
 
 
 def build_cache(tmp_path, prefix, *args):

@@ -3,7 +3,6 @@ carries (an ImageRecordIter_v1 over a .rec with its .idx), a clear error for an 
 indices, and one warning for an iterator that augments on its own."""
 import json
 import logging
-import os
 import subprocess
 import sys
 
@@ -11,10 +10,10 @@ import numpy as np
 import pytest
 
 from tests.datafiles import write_rec
-from tests.helpers import gluon_teacher
+from tests.helpers import CHILD_ENV, ROOT, gluon_teacher
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = {**os.environ, "PYTHONPATH": ROOT, "MXNET_SUBGRAPH_VERBOSE": "0", "OMP_NUM_THREADS": "1"}
+ENV = CHILD_ENV
+
 N = 150
 
 

@@ -10,10 +10,10 @@ at T = 1, 4 and 20 (for top-K beside the ideal top-K with an even tail made from
 logits, and their ratio), top-1 agreement. Then the same student (`python -m trainer`, mlp128,
 the README's digits setting: T = 20, alpha = 0.5, Adam lr 1e-2, batch 64) is trained from each
 cache with seeds 0..N-1 (5; 10 on mnist5k) and the same budget, beside the student from scratch (no
-teacher); on mnist5k every student sees 8 views shifted by up to 2 pixels (a cache per seed: the views are keyed
-by the seed), and it also
-trains with the teacher inline, for the Hinton-style table (teacher, scratch, inline, cache,
-teacher forwards, and the fraction of the scratch-to-teacher gap distillation closes).
+teacher); on mnist5k every student sees 8 views shifted by up to 2 pixels (a cache per seed: the
+views are keyed by the seed), and it also trains with the teacher inline, for the Hinton-style
+table (teacher, scratch, inline, cache, teacher forwards, and the fraction of the scratch-to-teacher
+gap distillation closes).
 
 The synthetic case is synthetic:n=10000,classes=1000,shape=1x4x4: class prototypes plus Gaussian
 noise (pipeline.datasets). Its teacher is that generator's own posterior, a fixed linear map
@@ -162,8 +162,13 @@ def teachers(kids, args, names, work):
     return out
 
 
+def views_of(name):
+    """(views, augmentation) of a data set's students and caches."""
+    return VIEWS.get(name, (1, "none"))
+
+
 def views_args(name):
-    views, augment = VIEWS.get(name, (1, "none"))
+    views, augment = views_of(name)
     return ["--views", views, "--augment", augment]
 
 
@@ -241,7 +246,7 @@ def run(kids, args, p, work):
         plan[name] = {"arg": arg, "classes": train.num_classes, "n_train": len(train), "n_test": len(test),
                       "codecs": codecs_for(train.num_classes), "epochs": DATASETS[name][3 if args.quick else 2],
                       "seeds": list(range(p["seeds"] or (1 if args.quick else SEEDS.get(name, 5)))),
-                      "views": VIEWS.get(name, (1, "none"))}
+                      "views": views_of(name)}
 
     t0 = time.perf_counter()
     tasks, keys = [], []

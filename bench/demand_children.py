@@ -26,8 +26,7 @@ import time
 import numpy as np
 
 from bench.cli import RUN, check_child, like, parse_args, trainer_option
-from bench import kd_children
-from bench.kd_children import TEACHER_SHAPES, teacher_cost, teacher_net, trainer_defaults
+from bench.kd_children import TEACHER_SHAPES, Sizes as KdSizes, teacher_cost, teacher_net, trainer_defaults
 from kdcache.args import Choice, Dir, Float, Int, Option, OutFile
 
 BATCH = 64
@@ -320,11 +319,11 @@ class _Fixed:
         return len(self.order)
 
 
-class Sizes(kd_children.Sizes):
+class Sizes(KdSizes):
     """JSON of reps, tries, epoch_s, min_steps, max_steps, target: counts >= 1, epoch_s and target > 0,
     min_steps <= max_steps."""
 
-    KEYS = {**kd_children.Sizes.KEYS, "target": Float(0, None, gt=True)}
+    KEYS = {**KdSizes.KEYS, "target": Float(0, None, gt=True)}
 
 
 NEEDS = {"prepare": ("root", "sizes"), "produce": ("teacher", "dataset", "cache", "demand"),

@@ -285,8 +285,8 @@ def reader_mmap(reader):
 def bench_cold(path, spec, rng, rows=None):
     """One epoch (its first `rows` rows, when given) through the mapped reader right after the file's pages were
     dropped: random order, key order (both with the kernel's default read-ahead, as the reader maps it); random
-    order with no read-ahead (MADV_RANDOM set on the reader's map), and after one sequential read of the file; today's RAM path's open from a cold
-    file and a plain read of the file, for comparison."""
+    order with no read-ahead (MADV_RANDOM set on the reader's map), and after one sequential read of the file;
+    today's RAM path's open from a cold file and a plain read of the file, for comparison."""
     final, n = path + ".h5", spec.num_samples
     m = min(n, rows or n)
     res = {"resident_before_evict": resident_fraction(final), "rows": m, "of_rows": n}

@@ -21,6 +21,10 @@ from mxnet import gluon
 from pipeline.augment import apply_one, as_augment
 from store import CacheReader, StoreError
 
+# Values in shared memory, so that worker processes forked before a change see it: the epoch, and whether an
+# order was (or will be) announced.
+SHARED = {"_epoch": ctypes.c_int64, "_announced": ctypes.c_bool}
+
 
 class SoftTargetDataset(gluon.data.Dataset):
     """Items (image float32 [C, H, W], label, soft target float32 [classes]) of `dataset`.
@@ -46,8 +50,8 @@ class SoftTargetDataset(gluon.data.Dataset):
         self._check(reader)
         self.num_classes = reader.spec.num_classes
         self._reader, self._pid = reader, os.getpid()
-        self._epoch = multiprocessing.RawValue(ctypes.c_int64, 0)
-        self._announced = multiprocessing.RawValue(ctypes.c_bool, False)  # an order was (or will be) announced
+        for name, kind in SHARED.items():
+            setattr(self, name, multiprocessing.RawValue(kind, 0))
         self._hinted = False
 
     def _check(self, reader):
@@ -134,16 +138,15 @@ class SoftTargetDataset(gluon.data.Dataset):
         state = dict(self.__dict__)
         state["_reader"] = None  # each process opens its own
         if multiprocessing.context.get_spawning_popen() is None:  # pickled outside process start: plain values
-            state["_epoch"] = int(self._epoch.value)
-            state["_announced"] = bool(self._announced.value)
+            for name in SHARED:
+                state[name] = getattr(self, name).value
         return state
 
     def __setstate__(self, state):
-        epoch, announced = state["_epoch"], state.get("_announced", False)
-        if isinstance(epoch, int):
-            state["_epoch"] = multiprocessing.RawValue(ctypes.c_int64, epoch)
-        if isinstance(announced, bool):
-            state["_announced"] = multiprocessing.RawValue(ctypes.c_bool, announced)
+        for name, kind in SHARED.items():
+            value = state.get(name, 0)
+            if isinstance(value, int):  # a plain value (bool is an int too)
+                state[name] = multiprocessing.RawValue(kind, value)
         self.__dict__.update(state)
 
 

@@ -2,10 +2,13 @@
 
 A data set's identity goes into cache fingerprints, so it covers every byte of every file it reads:
 a file changed in place must never keep its digest. Reading a large data set takes minutes, so each
-file's digest is remembered in a small JSON memo, keyed by (real path, device, inode, size, mtime in
-ns), and one entry remembers a whole set of files (an image folder holds more files than the memo
-keeps entries). The memo is $KDCACHE_DIGEST_MEMO, else $XDG_CACHE_HOME/kdcache/digests.json (default
-~/.cache/kdcache/). It is only a shortcut: a memo that cannot be read or written is ignored.
+file's digest is remembered in a small JSON memo, keyed by (real path, device, inode, size, mtime and
+ctime in ns), and one entry remembers a whole set of files (an image folder holds more files than the
+memo keeps entries). The ctime is there because the mtime alone can be put back: `touch -d`, `cp -p`,
+`rsync -t` and `tar x` restore it after writing, so a file edited in place with its size kept would
+keep its key; no user call sets the ctime, and every write or restored mtime moves it. The memo is
+$KDCACHE_DIGEST_MEMO, else $XDG_CACHE_HOME/kdcache/digests.json (default ~/.cache/kdcache/). It is
+only a shortcut: a memo that cannot be read or written is ignored.
 """
 import hashlib
 import json
@@ -20,12 +23,13 @@ from .dataset_base import DatasetError
 
 MEMO_ENV = "KDCACHE_DIGEST_MEMO"
 MEMO_ENTRIES = 10_000  # the newest entries kept; an entry is ~150 bytes of JSON
-MEMO_VERSION = 1
+MEMO_VERSION = 2  # 2: keys hold the ctime too (older entries cannot be trusted)
 BLOCK = 1 << 20
 PROGRESS_BYTES = 256 << 20  # a first digest reading more than this shows a progress bar on stderr
-# A file modified within this long before its digest began is not remembered: file systems stamp
-# times coarsely (ext4 by the kernel tick, FAT by 2 s), so a change made just after the digest
-# could keep the same mtime and the memo would hide it (git's "racy" entries).
+# A file modified (mtime) or changed (ctime) within this long before its digest began is not
+# remembered: file systems stamp times coarsely (ext4 by the kernel tick, FAT by 2 s), so a change
+# made just after the digest could keep the same times and the memo would hide it (git's "racy"
+# entries).
 RACY_NS = 3_000_000_000
 READ_FIX = "make it readable, or remove or replace it"
 
@@ -74,13 +78,15 @@ def unreadable(path, e, fix):
 
 
 def _stat_key(path, fix):
-    """(memo key, size, mtime in ns) of one file; DatasetError naming it when it cannot be reached."""
+    """(memo key, size, ns of its last change: the later of mtime and ctime) of one file; DatasetError
+    naming it when it cannot be reached."""
     try:
         real = os.path.realpath(path)
         st = os.stat(real)
     except OSError as e:
         raise unreadable(path, e, fix) from None
-    return json.dumps([real, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]), st.st_size, st.st_mtime_ns
+    key = json.dumps([real, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns])
+    return key, st.st_size, max(st.st_mtime_ns, st.st_ctime_ns)
 
 
 def sha256_file(path, fix, progress=None):
@@ -94,8 +100,8 @@ def sha256_file(path, fix, progress=None):
 def files_digest(files, *, desc="digest", fix=READ_FIX):
     """Hex sha256 over each (path, name) in `files`: its name, its size and the sha256 of all its bytes.
     The names (e.g. a path relative to the data root and a label) tie each file to its place in the data
-    set. A file read before and unchanged since (same real path, device, inode, size and mtime) is not
-    read again."""
+    set. A file read before and unchanged since (same real path, device, inode, size, mtime and ctime)
+    is not read again; one whose mtime was put back after an edit is (its ctime moved)."""
     started = time.time_ns()
     stats = [_stat_key(p, fix) for p, _ in files]
     h = hashlib.sha256()
@@ -104,7 +110,7 @@ def files_digest(files, *, desc="digest", fix=READ_FIX):
     set_key = "set:" + h.hexdigest()
     memo_file = memo_path()
     memo = _load_memo(memo_file)
-    settled = all(mtime + RACY_NS < started for _, _, mtime in stats)
+    settled = all(changed + RACY_NS < started for _, _, changed in stats)
     if settled and set_key in memo:
         return memo[set_key]["d"]
     todo = [i for i, (key, _, _) in enumerate(stats) if key not in memo]
@@ -116,13 +122,13 @@ def files_digest(files, *, desc="digest", fix=READ_FIX):
     new = {}
     try:
         digests = []
-        for (path, _), (key, size, mtime) in zip(files, stats):
+        for (path, _), (key, size, changed) in zip(files, stats):
             if key in memo:
                 digests.append(memo[key]["d"])
                 continue
             d = sha256_file(path, fix, bar.update if bar is not None else None)
             digests.append(d)
-            if mtime + RACY_NS < started and _stat_key(path, fix)[0] == key:  # unchanged while read
+            if changed + RACY_NS < started and _stat_key(path, fix)[0] == key:  # unchanged while read
                 new[key] = {"d": d, "t": started}
     finally:
         if bar is not None:

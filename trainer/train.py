@@ -20,7 +20,7 @@ from store import CacheNotFoundError, CacheReader, ProducerGoneError, path_for, 
 from store.registry import final_path
 from trainer.checkpoint import load_checkpoint, save_checkpoint
 from trainer.loss import KDLoss
-from trainer.models import get_model, model_identity
+from trainer.models import check_student, get_model, model_identity
 from trainer.prefetch import Prefetcher
 from trainer.targets import (TrainError, create_ring, producer_command, producer_failure, producer_result,
                              producer_running, ring_targets, start_producer, stop_producer)
@@ -153,6 +153,13 @@ def run(args, plan, early, threads, cores):
     log.info("data set %s: %d train / %d test samples, %d classes, %d view(s), augment %s; ctx %s, %d thread(s) "
              "of %d core(s)", train.name, n, len(test), classes, args.views, augment.spec, ctx, threads, cores)
 
+    # student: run once on one sample, so a wrong output width is one line before anything starts (and its
+    # shapes are known before a resume loads parameters)
+    net = get_model(args.student, classes, prefix="student_")
+    net.initialize(mx.init.Xavier(), ctx=ctx)
+    net.hybridize(static_alloc=True)
+    check_student(net, args.student, mx.nd.array(train.get_batch([0])[0], ctx=ctx[0]), classes)
+
     # targets
     producer = reader = ring = teacher = None
     spec = plan.spec
@@ -203,16 +210,12 @@ def run(args, plan, early, threads, cores):
         if rank == 0 and not test_cache_missing:
             teacher_acc = teacher_accuracy(tbase, tspec, test)
 
-    # student
-    net = get_model(args.student, classes, prefix="student_")
-    net.initialize(mx.init.Xavier(), ctx=ctx)
-    net.hybridize(static_alloc=True)
+    # the optimiser (the student is built and checked above, before any producer starts)
     trainer = gluon.Trainer(net.collect_params(), "adam", {"learning_rate": args.lr, "wd": args.wd},
                             **({"kvstore": kv} if kv is not None else {}),
                             # dist_sync: workers all-reduce gradients and update alike, so the last, smaller
                             # batch of an epoch is normalised right and the optimiser state can be saved
                             **({"update_on_kvstore": False} if args.kvstore == "dist_sync" else {}))
-    net(mx.nd.array(train.get_batch([0])[0], ctx=ctx[0]))  # shapes known before a resume loads parameters
     start_epoch, history = 0, []
     if args.resume:
         state = load_checkpoint(run_dir, net, trainer)

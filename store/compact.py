@@ -7,7 +7,7 @@ import numpy as np
 
 from . import schema
 from .errors import StoreError
-from .osutil import available_memory, fs_error, fsync_dir
+from .osutil import NotOurs, available_memory, fs_error, fsync_dir, is_ours, open_regular
 from .paths import COMPACT_TMP, base_path, compact_tmp, discard, final_path, parts_path
 from .segment import committed_rows, count_done, list_segments, open_swmr, read_segment_rows
 
@@ -28,11 +28,16 @@ def remove_stale_tmp(final):
         return
     for n in names:
         m = COMPACT_TMP.match(n)
-        if m and m.group(1) + schema.FINAL_SUFFIX == name:
+        if m and m.group(1) + schema.FINAL_SUFFIX == name and is_ours(os.path.join(d, n)):
             try:
                 os.unlink(os.path.join(d, n))
             except OSError:
                 pass
+
+
+def _in_the_way(e):
+    return StoreError(f"{e.path}: {e.why}, where compaction writes: move it away, then run "
+                      f"the producer (or kdcache ls) again")
 
 
 def finalize(path, spec, *, memory_budget=None):
@@ -44,16 +49,22 @@ def finalize(path, spec, *, memory_budget=None):
         return True
     codec = spec.make_codec()
     try:
-        lk = open(os.path.join(parts, schema.COMPACT_LOCK), "a+")
+        fd, _ = open_regular(os.path.join(parts, schema.COMPACT_LOCK), flags=os.O_CREAT)
     except FileNotFoundError:  # another process finished it and removed the segments just now
         return os.path.exists(final)
-    with lk:
+    except NotOurs as e:
+        raise _in_the_way(e) from None
+    with open(fd, "rb") as lk:
         fcntl.flock(lk.fileno(), fcntl.LOCK_EX)
         if os.path.exists(final):
             return True
         remove_stale_tmp(final)
         if count_done(parts, spec) < spec.num_keys:
             return False
+        tmp = compact_tmp(final)
+        for p in [tmp] + [os.path.join(parts, f".compact-{name}.tmp") for name, _, _ in codec.fields]:
+            if os.path.lexists(p) and not is_ours(p):  # written through, a link would lead anywhere
+                raise _in_the_way(NotOurs(p, "not a file kdcache wrote"))
         step("locked")
         n, v, nk = spec.num_samples, spec.views, spec.num_keys
         need = nk * codec.bytes_per_row
@@ -78,7 +89,6 @@ def finalize(path, spec, *, memory_budget=None):
                     for name in tables:
                         tables[name][keys] = fields[name][new]
                     filled[keys] = True
-        tmp = compact_tmp(final)
         try:
             # Contiguous, unfiltered datasets (h5py's default), each of 64 KiB or more starting on a
             # page boundary: readers map them straight from the file (store.mapped).

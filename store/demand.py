@@ -6,15 +6,20 @@ a producer: each reader process publishes the flat keys it is waiting for
 (`demand-<pid>-next.npy`), each file written whole and renamed into place. A producer polls the folder between batches (one directory scan,
 files read only when they change) and serves the keys waited for first, then the announced
 ones, then the rest in key order. A reader's file goes when it closes; files of processes that
-are gone (on this host) are ignored.
+are gone (on this host) are ignored, and so are files of another user or of another user's
+process (osutil's NOTE on entries kdcache did not write).
 """
+import io
 import os
 import re
+import stat
 
 import numpy as np
 
+from .osutil import NotOurs, is_ours, pid_ours, read_regular, skipped
+
 PREFIX = "demand-"
-NAME = re.compile(r"^demand-(\d+)-(wait|next)\.npy$")
+NAME = re.compile(r"^demand-(\d+)-(wait|next)\.npy$", re.ASCII)
 MAX_KEYS = 1 << 25  # 256 MiB of keys: larger files are not demand files kdcache wrote
 VERSION = 1
 
@@ -31,14 +36,21 @@ def publish(parts, kind, keys):
     arr = np.concatenate([np.array([VERSION], dtype=np.int64), keys])
     path = demand_path(parts, kind)
     tmp = f"{path}.tmp-{os.getpid()}"
+    for p in (tmp, path):  # what stands there and is not this uid's regular file is left alone
+        if os.path.lexists(p) and not is_ours(p):
+            return False
     try:
-        with open(tmp, "wb") as fh:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)  # this pid's own leftover (a pid is reused)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        with open(fd, "wb") as fh:
             np.save(fh, arr, allow_pickle=False)
         os.replace(tmp, path)
         return True
     except OSError:
         try:
-            os.unlink(tmp)
+            if is_ours(tmp):
+                os.unlink(tmp)
         except OSError:
             pass
         return False
@@ -46,32 +58,46 @@ def publish(parts, kind, keys):
 
 def withdraw(parts):
     for kind in ("wait", "next"):
+        p = demand_path(parts, kind)
         try:
-            os.unlink(demand_path(parts, kind))
+            if is_ours(p):
+                os.unlink(p)
         except OSError:
             pass
 
 
-def _alive(pid):
+def _parse(raw):
+    """The int64 vector a demand file holds, or None. The header's shape is checked against the
+    bytes that follow it before anything is allocated (a 144-byte file may declare 2**33 keys)."""
+    fh = io.BytesIO(raw)
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True
-    return True
+        version = np.lib.format.read_magic(fh)
+        if version == (1, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(fh)
+        elif version == (2, 0) and int.from_bytes(raw[8:12], "little") <= 4096:  # np.save writes ~128 bytes
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(fh)
+        else:
+            return None
+    except (ValueError, EOFError, SyntaxError, TypeError, KeyError, OverflowError, RecursionError, MemoryError):
+        return None
+    if dtype != np.dtype("<i8") or len(shape) != 1 or fortran:
+        return None
+    body = raw[fh.tell():]
+    if not isinstance(shape[0], int) or shape[0] * 8 != len(body):
+        return None
+    return np.frombuffer(body, dtype="<i8").astype(np.int64)
 
 
 def _load(path, num_keys):
-    """The keys of a demand file, or None when it is not a sound one."""
+    """The keys of a demand file, or None when it is not a sound one (nor a regular file of ours)."""
     try:
-        with open(path, "rb") as fh:
-            if os.fstat(fh.fileno()).st_size > 8 * (MAX_KEYS + 1) + 256:
-                return None
-            arr = np.load(fh, allow_pickle=False)
-    except (OSError, ValueError, EOFError):
+        arr = _parse(read_regular(path, 8 * (MAX_KEYS + 1) + 4096, mine=True))
+    except NotOurs as e:
+        skipped(e)
         return None
-    if arr.dtype != np.int64 or arr.ndim != 1 or arr.size < 1 or arr[0] != VERSION:
+    except OSError:
+        return None
+    if arr is None or arr.size < 1 or arr[0] != VERSION:
         return None
     keys = arr[1:]
     if keys.size and (keys.min() < 0 or keys.max() >= num_keys):
@@ -96,13 +122,15 @@ class Demand:
             entries = []
         names = set()
         for e in entries:
-            pid = int(NAME.match(e.name).group(1))
-            if not _alive(pid):
+            if not pid_ours(NAME.match(e.name).group(1)):  # gone, impossible, or another user's
                 continue
             names.add(e.name)
             try:
-                st = e.stat()
+                st = e.stat(follow_symlinks=False)
             except OSError:
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                skipped(e.path, "not a regular file")
                 continue
             stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
             cur = self._files.get(e.name)

@@ -7,11 +7,13 @@ progress without blocking, so a removal never races a producer or a compaction.
 import contextlib
 import fcntl
 import os
+import stat
 
 from . import schema
 from .compact import finalize, remove_parts
 from .errors import StoreError
-from .paths import ASIDE, COMPACT_TMP, final_path, finish_discard, parts_path, pid_alive
+from .osutil import NotOurs, is_ours, listdir, open_regular, own, regular, skipped
+from .paths import ASIDE, BUILD_FILE, COMPACT_TMP, final_path, finish_discard, parts_path, pid_alive
 from .segment import HOST, count_done, lock_holders, open_final, read_manifest
 from .validate import check_final, read_meta, spec_from_meta
 
@@ -21,19 +23,31 @@ def locked(parts):
     """Hold the compaction lock and every shard lock of `parts` (taken without blocking). Yields
     True when all are held, False when a live process holds one (then nothing may be removed)."""
     fds = []
-    try:
-        names = [schema.COMPACT_LOCK] + sorted(n for n in os.listdir(parts)
-                                               if n.startswith("shard-") and n.endswith(".lock"))
-    except FileNotFoundError:
+    if not os.path.isdir(parts):
         yield True
         return
+    names = [schema.COMPACT_LOCK] + sorted(n for n in listdir(parts) if n.startswith("shard-") and n.endswith(".lock"))
     try:
         for n in names:
-            flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_CREAT if n == schema.COMPACT_LOCK else 0)
+            p = os.path.join(parts, n)
             try:
-                fd = os.open(os.path.join(parts, n), flags, 0o644)
+                regular(p)
+            except NotOurs as e:  # a FIFO, link or folder under a lock's name locks nothing (and is never removed)
+                skipped(e)
+                continue
+            except FileNotFoundError:
+                pass
+            except OSError:
+                yield False
+                return
+            # flock needs no write access: read-only, so a lock file of another user can be held too
+            try:
+                fd, _ = open_regular(p, flags=os.O_CREAT if n == schema.COMPACT_LOCK else 0)
             except FileNotFoundError:
                 continue
+            except OSError:  # cannot be taken: as good as held by someone
+                yield False
+                return
             fds.append(fd)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -75,8 +89,8 @@ def settle(base):
     sound finished file. Returns what it did, or None."""
     fin, parts = final_path(base), parts_path(base)
     name = os.path.basename(base)
-    if not os.path.isdir(parts) or lock_holders(parts):
-        return None
+    if not _own_folder(parts) or (os.path.lexists(fin) and not is_ours(fin)) or lock_holders(parts):
+        return None  # nothing to finish, or not this user's to finish
     try:
         if os.path.exists(fin):
             final_spec(fin, name)
@@ -93,26 +107,49 @@ def settle(base):
     return None
 
 
+def last_write(parts):
+    """When a build last did work: the newest mtime of its segments (rows committed), its shard
+    locks (the producer's heartbeat) and its manifest; None when it holds none of them."""
+    newest = None
+    for n in listdir(parts):
+        if n == schema.MANIFEST or BUILD_FILE.match(n):
+            try:
+                st = os.lstat(os.path.join(parts, n))
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode) and (newest is None or st.st_mtime > newest):
+                newest = st.st_mtime
+    return newest
+
+
+def _own_folder(path):
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and own(st)
+
+
 def stale_files(cache_dir, *, min_age_s=0.0):
     """Files a dead kdcache process left in the cache directory: compaction temporaries and entries
     renamed aside for removal. [(path, reason)]."""
     import time
     out = []
-    try:
-        names = os.listdir(cache_dir)
-    except OSError:
-        return out
     now = time.time()
-    for n in names:
+    for n in listdir(cache_dir):
         p = os.path.join(cache_dir, n)
         m, a = COMPACT_TMP.match(n), ASIDE.match(n)
         pid = m.group(2) if m else a.group(3) if a else None
         if pid is None or pid_alive(pid):
             continue
         try:
-            if now - os.lstat(p).st_mtime < min_age_s:
-                continue
-        except FileNotFoundError:
+            st = os.lstat(p)
+        except OSError:
+            continue
+        if not own(st) or not (stat.S_ISREG(st.st_mode) or (a and stat.S_ISDIR(st.st_mode))):
+            skipped(p, "not a file or folder kdcache wrote")  # a link, FIFO or another user's entry
+            continue
+        if now - st.st_mtime < min_age_s:
             continue
         if m:
             with locked(parts_path(os.path.join(cache_dir, m.group(1)))) as held:
@@ -131,7 +168,7 @@ def remove_stale(path):
         finish_discard(path)
         return
     with locked(parts_path(os.path.join(d, m.group(1)))) as held:
-        if held and not pid_alive(m.group(2)):
+        if held and not pid_alive(m.group(2)) and is_ours(path):
             try:
                 os.unlink(path)
             except FileNotFoundError:

@@ -1,7 +1,9 @@
-"""Operating-system helpers of the store: OS errors as one line, directory fsync, free memory, quiet stderr."""
+"""Operating-system helpers of the store: OS errors in one line, fsync, free memory, quiet stderr, safe opening."""
 import contextlib
+import logging
 import os
 import re
+import stat
 import sys
 
 from .errors import StoreError
@@ -61,3 +63,157 @@ def available_memory():
     except OSError:
         pass
     return 1 << 30
+
+
+# NOTE [entries kdcache did not write]
+# Anything may sit under the names kdcache uses in a cache directory: a FIFO (whose plain open
+# blocks until a writer comes), a symbolic link (to /dev/zero, to a file elsewhere, to nothing),
+# a folder, a file of another user or one far larger than its header says. kdcache opens every
+# such file without following links and without blocking, then insists on a regular file (and,
+# for what it deletes or takes as a signal -- demand, positions, pids -- on one of its own uid)
+# before it reads a byte; whatever fails is "not ours": skipped, logged once, never an error of
+# the command and never removed.
+log = logging.getLogger("kdcache.store")
+_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_skipped = set()
+
+
+class NotOurs(OSError):
+    """An entry under one of kdcache's names that is not a regular file kdcache may use."""
+
+    def __init__(self, path, why):
+        super().__init__(f"{path}: {why}")
+        self.path, self.why = os.fspath(path), why
+
+
+def skipped(path, why=None):
+    """Log once per entry and reason that an entry was left alone (`path` may be a NotOurs)."""
+    if isinstance(path, NotOurs):
+        path, why = path.path, path.why
+    key = (os.fspath(path), why)
+    if key not in _skipped:
+        _skipped.add(key)
+        log.warning("%s: not ours, skipped (%s)", path, why)
+
+
+def own(st):
+    return st.st_uid == os.geteuid()
+
+
+def _refuse(path, st, mine):
+    """Why an entry with lstat/fstat result `st` is not one kdcache may use, or None."""
+    if not stat.S_ISREG(st.st_mode):
+        return ("a symbolic link" if stat.S_ISLNK(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode)
+                else "a folder" if stat.S_ISDIR(st.st_mode) else "not a regular file")
+    if mine and not own(st):
+        return f"owned by uid {st.st_uid}, not {os.geteuid()}"
+    return None
+
+
+def regular(path, *, mine=False):
+    """lstat of `path` when it is a regular file (of this uid, with `mine`); NotOurs otherwise.
+    For names handed to a library that opens them itself (h5py): a FIFO would block it."""
+    st = os.lstat(path)
+    why = _refuse(path, st, mine)
+    if why:
+        raise NotOurs(path, why)
+    return st
+
+
+def is_ours(path, *, mine=True):
+    """True when `path` is a regular file (of this uid, with `mine`): kdcache may replace or remove it."""
+    try:
+        regular(path, mine=mine)
+        return True
+    except OSError:
+        return False
+
+
+def open_regular(path, *, mine=False, flags=0):
+    """(fd, fstat) of a regular file, opened without following a link and without blocking (a FIFO
+    opens at once, then is refused); NotOurs for anything else, FileNotFoundError when absent."""
+    try:
+        fd = os.open(path, _READ | flags, 0o644)
+    except FileNotFoundError:
+        raise
+    except OSError as e:  # ELOOP: a symbolic link; EACCES: not ours to read; ENXIO: a socket
+        raise NotOurs(path, f"cannot be opened: {e.strerror or e}") from None
+    try:
+        st = os.fstat(fd)
+        why = _refuse(path, st, mine)
+        if why:
+            raise NotOurs(path, why)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def read_regular(path, limit, *, mine=False):
+    """The bytes of a regular file of at most `limit` bytes (open_regular's rules); NotOurs when
+    larger: nothing is allocated from what a file claims before its size is known."""
+    fd, st = open_regular(path, mine=mine)
+    try:
+        if st.st_size > limit:
+            raise NotOurs(path, f"{st.st_size:,} bytes, more than the {limit:,} kdcache writes there")
+        chunks, left = [], limit + 1
+        while left > 0:
+            b = os.read(fd, min(left, 1 << 20))
+            if not b:
+                break
+            chunks.append(b)
+            left -= len(b)
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    if len(data) > limit:
+        raise NotOurs(path, f"grew past {limit:,} bytes while read")
+    return data
+
+
+def listdir(path):
+    """Names in a folder; [] when it is gone, not a folder, or not readable (logged)."""
+    try:
+        return os.listdir(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    except OSError as e:
+        skipped(path, e.strerror or type(e).__name__)
+        return []
+
+
+def pid_max():
+    """The largest pid this kernel gives out (2**22, the kernel's ceiling, if unknown)."""
+    try:
+        with open("/proc/sys/kernel/pid_max", "rb") as fh:
+            return max(1, min(int(fh.read(32).strip()), 1 << 22))
+    except (OSError, ValueError):
+        return 1 << 22
+
+
+def parse_pid(text):
+    """A pid written in a file name (ASCII digits, 1..pid_max), or None when it cannot be one."""
+    s = str(text)
+    if not (s.isascii() and s.isdigit()) or len(s) > 8:
+        return None
+    pid = int(s)
+    return pid if 0 < pid <= pid_max() else None
+
+
+def pid_ours(pid):
+    """True when `pid` is a live process of this uid on this host (a pid of another user is not a
+    kdcache process of ours, whatever it is doing)."""
+    pid = parse_pid(pid)
+    if pid is None:
+        return False
+    try:
+        return os.stat(f"/proc/{pid}").st_uid == os.geteuid()
+    except FileNotFoundError:
+        return False
+    except OSError:
+        pass
+    try:  # no /proc: signal 0 tells alive, and EPERM tells another user's
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    return True

@@ -2,21 +2,26 @@
 import errno
 import os
 import re
+import stat
 
 from . import schema
 from .errors import StoreError
 from .fingerprint import is_fingerprint
+from .osutil import is_ours, listdir, own, parse_pid
 
 DEFAULT_DIR = "caches"
 ENV_DIR = "KDCACHE_DIR"
 
 # Entries of a cache directory that kdcache writes (and so may remove), besides P.h5 and P.parts:
-COMPACT_TMP = re.compile(r"^([0-9a-f]{8,64})\.h5\.tmp-(\d+)$")        # a compaction's temporary file
-ASIDE = re.compile(r"^\.([0-9a-f]{8,64})\.(h5|parts)\.gc-(\d+)$")      # an entry renamed aside for removal
+# ASCII digits only: Python's \d also matches other scripts' digits, which kdcache never writes.
+COMPACT_TMP = re.compile(r"^([0-9a-f]{8,64})\.h5\.tmp-(\d+)$", re.ASCII)        # a compaction's temporary file
+ASIDE = re.compile(r"^\.([0-9a-f]{8,64})\.(h5|parts)\.gc-(\d+)$", re.ASCII)      # an entry renamed aside for removal
+# A producer's files inside P.parts/: segments (also while created) and shard locks (its heartbeat).
+BUILD_FILE = re.compile(r"^(\.?seg-\d+of\d+-\d+-\d+\.h5(\.tmp)?|shard-\d+of\d+\.lock)$", re.ASCII)
 # Files kdcache writes inside P.parts/ (see schema.py for what each holds).
 OWN_PART = re.compile(r"^(manifest\.json(\.tmp-\d+)?|\.?seg-\d+of\d+-\d+-\d+\.h5(\.tmp)?|shard-\d+of\d+\.lock"
                       r"|compact\.lock|trainer-\d+\.json(\.tmp-\d+)?|\.compact-[a-z_]+\.tmp"
-                      r"|demand-\d+-(wait|next)\.npy(\.tmp-\d+)?)$")
+                      r"|demand-\d+-(wait|next)\.npy(\.tmp-\d+)?)$", re.ASCII)
 
 
 def resolve_cache_dir(cache_dir=None):
@@ -59,22 +64,28 @@ def compact_tmp(final, pid=None):
 
 
 def pid_alive(pid):
-    """True when a process with this pid exists on this host (a reused pid counts as alive: safe)."""
+    """True when a process with this pid exists on this host (a reused pid counts as alive: safe).
+    A number no process can have (0, above pid_max, 20 digits) is no live process."""
+    p = parse_pid(pid)
+    if p is None:
+        return False
     try:
-        os.kill(int(pid), 0)
+        os.kill(p, 0)
     except ProcessLookupError:
         return False
-    except (PermissionError, OverflowError, ValueError):
+    except OSError:
         return True
     return True
 
 
+def own_part(parts, name):
+    """True when `name` in a parts folder is kdcache's: one of its names, a regular file of this uid."""
+    return bool(OWN_PART.match(name)) and is_ours(os.path.join(parts, name))
+
+
 def foreign_files(parts):
     """Names inside a parts folder that kdcache did not write (nothing of them is ever removed)."""
-    try:
-        return sorted(n for n in os.listdir(parts) if not OWN_PART.match(n))
-    except FileNotFoundError:
-        return []
+    return sorted(n for n in listdir(parts) if not own_part(parts, n))
 
 
 def discard(path, *, between=None):
@@ -83,7 +94,15 @@ def discard(path, *, between=None):
     gone), then only kdcache's own files are deleted. A parts folder holding anything else is
     left where it is, and StoreError names what is not kdcache's. Returns True if it was there."""
     path = os.fspath(path).rstrip("/")
+    why = _not_removable(path)
+    if why:
+        raise StoreError(f"{path} is {why}: left alone; remove it by hand if it is yours")
     if os.path.isdir(path) and not os.path.islink(path):
+        try:
+            os.listdir(path)
+        except OSError as e:
+            raise StoreError(f"{path} cannot be read ({e.strerror}): left alone; fix its permissions, "
+                             f"then run gc again") from None
         other = foreign_files(path)
         if other:
             raise StoreError(f"{path} holds files kdcache did not write ({', '.join(other[:3])}): left alone; "
@@ -100,15 +119,33 @@ def discard(path, *, between=None):
     return True
 
 
+def _not_removable(path):
+    """Why kdcache may not remove the entry at `path` (a cache file or parts folder), or None: it
+    must be a regular file or a folder of this uid, never a link, FIFO or another user's."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return f"not readable ({e.strerror})"
+    if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+        return "neither a regular file nor a folder"
+    if not own(st):
+        return f"owned by another user (uid {st.st_uid})"
+    return None
+
+
 def finish_discard(aside):
     """Delete an entry renamed aside (also one a crashed removal left behind)."""
+    if _not_removable(aside):
+        return
     if os.path.isdir(aside) and not os.path.islink(aside):
-        for n in os.listdir(aside):
-            if OWN_PART.match(n):
+        for n in listdir(aside):
+            if own_part(aside, n):  # a folder, link or FIFO under one of kdcache's names is not kdcache's: kept
                 try:
                     os.unlink(os.path.join(aside, n))
-                except (FileNotFoundError, IsADirectoryError):
-                    pass  # a folder under one of kdcache's names is not kdcache's: kept
+                except FileNotFoundError:
+                    pass
         try:
             os.rmdir(aside)
         except OSError as e:

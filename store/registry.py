@@ -7,7 +7,8 @@ import h5py
 from . import schema
 from .errors import NewerFormatError, StoreError
 from .fingerprint import is_fingerprint
-from .housekeeping import final_spec, locked, parts_spec, remove_stale, settle, stale_files
+from .housekeeping import final_spec, last_write, locked, parts_spec, remove_stale, settle, stale_files
+from .osutil import NotOurs, listdir, own, read_regular, regular, skipped
 from .paths import (DEFAULT_DIR, ENV_DIR, OWN_PART, base_path, discard, exists, final_path,  # noqa: F401
                     parts_path, path_for, resolve_cache_dir)
 from .segment import count_done, lock_holders
@@ -21,8 +22,8 @@ def touch_used(path):
     """Record 'last used' as the finished file's access time (explicitly set, whatever the mount)."""
     p = final_path(path)
     try:
-        st = os.stat(p)
-        os.utime(p, (time.time(), st.st_mtime))
+        st = regular(p, mine=True)  # another user's cache is read, never touched
+        os.utime(p, (time.time(), st.st_mtime), follow_symlinks=False)
     except OSError:
         pass  # read-only caches are still usable
 
@@ -47,34 +48,37 @@ def read_positions(path, max_age_s=30.0):
     import json
     parts = parts_path(path)
     out = []
-    try:
-        names = [n for n in os.listdir(parts) if n.startswith("trainer-") and n.endswith(".json")]
-    except OSError:
-        return out
+    names = [n for n in listdir(parts) if n.startswith("trainer-") and n.endswith(".json")]
     now = time.time()
     for n in names:
         try:
-            with open(os.path.join(parts, n), encoding="utf-8") as fh:
-                p = json.load(fh)
-            if now - float(p.get("time", 0)) <= max_age_s:
+            p = json.loads(read_regular(os.path.join(parts, n), 65536, mine=True).decode("utf-8"))
+            if isinstance(p, dict) and now - float(p.get("time", 0)) <= max_age_s:
                 out.append(p)
-        except (OSError, ValueError):
+        except NotOurs as e:
+            skipped(e)
+        except (OSError, ValueError, TypeError, OverflowError, RecursionError):
             continue
     return out
 
 
 def _restore_atime(path, st):
     try:
-        os.utime(path, (st.st_atime, st.st_mtime))
+        os.utime(path, (st.st_atime, st.st_mtime), follow_symlinks=False)
     except OSError:
         pass
 
 
 def _size(path):
-    if os.path.isdir(path):
-        return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs
-                   if os.path.exists(os.path.join(d, f)))
-    return os.path.getsize(path) if os.path.exists(path) else 0
+    """Bytes of a file or folder as it stands (links not followed: a link to a large file is not ours)."""
+    def size(p):
+        try:
+            return os.lstat(p).st_size
+        except OSError:
+            return 0
+    if os.path.isdir(path) and not os.path.islink(path):
+        return sum(size(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+    return size(path)
 
 
 def cache_bases(cache_dir):
@@ -83,8 +87,13 @@ def cache_bases(cache_dir):
     d = resolve_cache_dir(cache_dir)
     if not os.path.isdir(d):
         return []
+    try:
+        names = os.listdir(d)
+    except OSError as e:
+        raise StoreError(f"cache directory {d} cannot be read ({e.strerror}): fix its permissions or pass "
+                         f"another --cache-dir") from None
     bases = set()
-    for n in os.listdir(d):
+    for n in names:
         for suffix in (schema.FINAL_SUFFIX, schema.PARTS_SUFFIX):
             if n.endswith(suffix) and not n.startswith("."):
                 bases.add(os.path.join(d, n[: -len(suffix)]))
@@ -96,6 +105,15 @@ def _not_ours(base):
     name, fin, parts = os.path.basename(base), final_path(base), parts_path(base)
     if not is_fingerprint(name):
         return "its name is not a cache fingerprint"
+    for p in (fin, parts):
+        try:
+            st = os.lstat(p)
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            return f"not readable ({e.strerror})"
+        if not own(st):
+            return f"owned by another user (uid {st.st_uid})"
     if os.path.lexists(fin):
         if os.path.islink(fin) or not os.path.isfile(fin):
             return "not a regular file"
@@ -110,7 +128,10 @@ def _not_ours(base):
         return None
     if os.path.islink(parts) or not os.path.isdir(parts):
         return "not a folder"
-    names = os.listdir(parts)
+    try:
+        names = os.listdir(parts)
+    except OSError as e:
+        return f"not readable ({e.strerror})"
     if schema.MANIFEST not in names and any(not OWN_PART.match(n) for n in names):
         return "a folder without a kdcache manifest"
     return None
@@ -127,9 +148,9 @@ def info(path, *, tidy=True, held=False):
     fin, parts = final_path(base), parts_path(base)
     name = os.path.basename(base)
     try:
-        st0 = os.stat(fin)  # before reading: looking at a cache is not using it
+        st0 = regular(fin, mine=True)  # before reading: looking at a cache is not using it
     except OSError:
-        st0 = None
+        st0 = None  # absent, or not this user's to touch
     try:
         return _info(base, fin, parts, name, tidy, held, st0)
     finally:
@@ -158,8 +179,10 @@ def _info(base, fin, parts, name, tidy, held, st0):
             done = count_done(parts, spec)
             alive = [] if held else lock_holders(parts)
             state = "producing" if alive else "committed" if done == spec.num_keys else "incomplete"
+            # The build's last write, never the folder's mtime: a segment appended to for hours (or a
+            # heartbeat) leaves the folder as it was when the segment was created.
             out.update(state=state, done=done / spec.num_keys, size=_size(parts),
-                       last_used=os.stat(parts).st_mtime, producers=[h.get("pid") for _, h in alive])
+                       last_used=last_write(parts), producers=[h.get("pid") for _, h in alive])
     except (StoreError, OSError) as e:
         where = fin if os.path.exists(fin) else parts
         try:

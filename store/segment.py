@@ -13,9 +13,12 @@ import numpy as np
 
 from . import schema
 from .errors import UnsupportedFormatError
+from .osutil import NotOurs, is_ours, listdir, open_regular, read_regular, regular, skipped
 from .validate import check_committed, check_keys, check_segment, read_meta  # noqa: F401 (read_meta: re-exported)
 
 HOST = socket.gethostname()
+MANIFEST_LIMIT = 64 << 20  # a manifest is metadata: kilobytes; a larger file is not one kdcache wrote
+LOCK_LIMIT = 4096          # a lock file holds one line of JSON
 
 
 def quiet_h5py_dealloc_errors():
@@ -79,6 +82,7 @@ def create_segment(directory, spec, codec, rows, shard, nshards):
 def open_swmr(path, retry_s=5.0):
     """Open a segment for reading while its producer may still write it. Retries while the
     writer is still switching to SWMR; a file that never opens is reported as damaged."""
+    _check_regular(path, "segment")
     deadline = time.monotonic() + retry_s
     delay = 0.001
     while True:
@@ -94,8 +98,20 @@ def open_swmr(path, retry_s=5.0):
             delay = min(0.05, delay * 2)
 
 
+def _check_regular(path, what):
+    """h5py opens by name: a FIFO would block it, a link lead it anywhere. Refused in one line."""
+    try:
+        regular(path)
+    except NotOurs as e:
+        raise UnsupportedFormatError(f"{path} is {e.why}, not a kdcache {what}: move it out of the cache "
+                                     f"directory") from None
+    except FileNotFoundError:
+        pass  # h5py names it
+
+
 def open_final(path):
     """Open a finished cache file read-only, with a clear error when it is not one."""
+    _check_regular(path, "cache file")
     try:
         return h5py.File(path, "r")
     except OSError as e:
@@ -164,11 +180,10 @@ def scan_done(parts_dir, spec):
 def read_manifest(parts_dir):
     path = os.path.join(parts_dir, schema.MANIFEST)
     try:
-        with open(path, encoding="utf-8") as fh:
-            meta = json.load(fh)
+        meta = json.loads(read_regular(path, MANIFEST_LIMIT).decode("utf-8"))
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise UnsupportedFormatError(
             f"{path}: unreadable manifest ({e}): remove the directory {parts_dir} to rebuild the cache") from None
     if not isinstance(meta, dict):
@@ -182,8 +197,17 @@ def read_manifest(parts_dir):
 
 
 def write_json_atomic(path, obj):
+    """Write `path` whole under a temporary name, then rename it into place. What stands in the
+    way and is not this uid's regular file (a FIFO, a link, another user's file) is left there,
+    and NotOurs (an OSError) raised."""
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as fh:
+    for p in (tmp, path):
+        if os.path.lexists(p) and not is_ours(p):
+            raise NotOurs(p, "in the way, and not a file kdcache wrote")
+    if os.path.lexists(tmp):
+        os.unlink(tmp)  # this pid's own leftover (a pid is reused)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    with open(fd, "w", encoding="utf-8") as fh:
         json.dump(obj, fh, indent=1, sort_keys=True)
         fh.flush()
         os.fsync(fh.fileno())
@@ -191,11 +215,21 @@ def write_json_atomic(path, obj):
 
 
 def list_segments(parts_dir):
-    try:
-        names = os.listdir(parts_dir)
-    except FileNotFoundError:
-        return []
-    return sorted(os.path.join(parts_dir, n) for n in names if n.startswith("seg-") and n.endswith(".h5"))
+    """The segments of a parts folder; an entry named like one that is not a regular file (a FIFO,
+    a link, a folder) is skipped."""
+    out = []
+    for n in listdir(parts_dir):
+        if n.startswith("seg-") and n.endswith(".h5"):
+            p = os.path.join(parts_dir, n)
+            try:
+                regular(p)
+            except NotOurs as e:
+                skipped(e)
+                continue
+            except OSError:
+                continue
+            out.append(p)
+    return sorted(out)
 
 
 def lock_holders(parts_dir, heartbeat_timeout=10.0):
@@ -207,18 +241,24 @@ def lock_holders(parts_dir, heartbeat_timeout=10.0):
     """
     import fcntl
     out = []
-    try:
-        names = sorted(n for n in os.listdir(parts_dir) if n.startswith("shard-") and n.endswith(".lock"))
-    except FileNotFoundError:
-        return out
+    names = sorted(n for n in listdir(parts_dir) if n.startswith("shard-") and n.endswith(".lock"))
     for n in names:
         path = os.path.join(parts_dir, n)
         try:
-            with open(path, "rb") as fh:
-                raw = fh.read()
+            fd, _ = open_regular(path)
+        except FileNotFoundError:
+            continue
+        except NotOurs as e:  # a FIFO or link under a lock's name locks nothing
+            skipped(e)
+            continue
+        try:
+            with open(fd, "rb") as fh:
+                raw = fh.read(LOCK_LIMIT)
                 try:
                     info = json.loads(raw.decode("utf-8") or "{}")
-                except ValueError:
+                except (ValueError, RecursionError):
+                    info = {}
+                if not isinstance(info, dict):
                     info = {}
                 if info.get("host", HOST) == HOST:
                     try:

@@ -14,7 +14,7 @@ import numpy as np
 from . import schema
 from .errors import FingerprintMismatchError, NewerFormatError, StoreError, UnsupportedFormatError
 from .fingerprint import is_fingerprint
-from .osutil import available_memory
+from .osutil import available_memory, open_regular
 
 FIX = "it is damaged or not a kdcache cache: remove it (kdcache gc removes damaged caches) and rebuild"
 REQUIRED = (schema.A_FORMAT, schema.A_FINGERPRINT, schema.A_INPUTS, schema.A_NUM_SAMPLES, schema.A_VIEWS,
@@ -199,8 +199,10 @@ def check_scale(spec, where):
 
 
 def looks_like_hdf5(path):
+    """True when `path` is a regular file that starts like HDF5 (opened without blocking: a FIFO is not)."""
     try:
-        with open(path, "rb") as fh:
-            return fh.read(8) == HDF5_SIGNATURE
+        fd, _ = open_regular(path)
     except OSError:
         return False
+    with open(fd, "rb") as fh:
+        return fh.read(8) == HDF5_SIGNATURE

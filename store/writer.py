@@ -10,6 +10,7 @@ import fcntl
 import gc
 import json
 import os
+import stat
 import threading
 import time
 
@@ -20,7 +21,7 @@ from .compact import finalize
 from .errors import (BadInputError, FingerprintMismatchError, StoreError, UnsupportedFormatError,
                      WriterBusyError)
 from .fingerprint import is_fingerprint
-from .osutil import fs_error, stderr_silenced
+from .osutil import NotOurs, fs_error, open_regular, own, stderr_silenced
 from .housekeeping import final_spec, settle
 from .paths import base_path, final_path, parts_path
 from .segment import (HOST, create_segment, quiet_h5py_dealloc_errors, read_manifest,
@@ -109,6 +110,14 @@ class CacheWriter:
                              f"--cache-dir") from None
         except OSError as e:
             raise fs_error(e, self.parts, "make the cache directory writable or pass another --cache-dir") from None
+        try:
+            st = os.lstat(self.parts)
+        except FileNotFoundError:  # removed again by a gc: _lock sees it and starts over
+            return
+        if stat.S_ISLNK(st.st_mode) or not own(st):  # written into, a link would lead anywhere
+            what = "a symbolic link" if stat.S_ISLNK(st.st_mode) else f"a folder of uid {st.st_uid}"
+            raise StoreError(f"{self.parts} is {what}, not a folder of this user's kdcache: pass another "
+                             f"--cache-dir, or move it away")
         manifest = read_manifest(self.parts)
         if manifest is None:
             try:
@@ -125,13 +134,17 @@ class CacheWriter:
         finished compaction) while waiting: the lock then belongs to a folder no longer in use."""
         path = os.path.join(self.parts, schema.lock_name(self.shard, self.nshards))
         try:
-            fh = open(path, "a+")
+            fd, _ = open_regular(path, mine=True, flags=os.O_RDWR | os.O_CREAT)
         except FileNotFoundError:
             return False
+        except NotOurs as e:  # a FIFO, link or another user's file: never written through
+            raise StoreError(f"{path}: {e.why}, not a lock file of this user's kdcache: move it away, "
+                             f"then run the producer again") from None
         except OSError as e:
             raise fs_error(e, path, "make the cache directory writable or pass another --cache-dir") from None
+        fh = os.fdopen(fd, "r+")
         try:
-            os.chmod(path, 0o644)
+            os.chmod(fh.fileno(), 0o644)
         except OSError:
             pass
         deadline = time.monotonic() + wait_s
@@ -143,8 +156,10 @@ class CacheWriter:
                 if time.monotonic() >= deadline:
                     fh.seek(0)
                     try:
-                        holder = json.loads(fh.read() or "{}")
-                    except ValueError:
+                        holder = json.loads(fh.read(4096) or "{}")
+                    except (ValueError, RecursionError):
+                        holder = {}
+                    if not isinstance(holder, dict):
                         holder = {}
                     fh.close()
                     raise WriterBusyError(

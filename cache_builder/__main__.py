@@ -172,26 +172,35 @@ def run(args, log):
                                         timeline))
 
 
+# The --hold line names a path and a fingerprint: longer than this is not the trainer's line.
+HOLD_LINE_MAX = 65536
+
+
 def await_cache(log, spec, stream=None):
     """--hold: the cache's name, from one JSON line on stdin; None at end of input (the trainer
     found the cache complete, or another producer filling it, or is gone)."""
     log.info("loaded; waiting for the trainer to name the cache")
-    line = (stream or sys.stdin).readline()
+    line = (stream or sys.stdin).readline(HOLD_LINE_MAX + 1)
     if not line.strip():
         log.info("the trainer needs no producer: nothing written")
         return None
+    want = '{"cache": PATH, "fingerprint": FP}'
+    if len(line) > HOLD_LINE_MAX:
+        raise ValueError(f"--hold: stdin gave a line longer than {HOLD_LINE_MAX} characters, not one JSON line "
+                         f"{want}; nothing written")
     try:
-        go = json.loads(line)
+        go = json.loads(line)  # a deeply nested line raises RecursionError: refused like any other
         path, fingerprint = go["cache"], go["fingerprint"]
         if not (isinstance(path, str) and path and isinstance(fingerprint, str)):
             raise TypeError
-    except (ValueError, KeyError, TypeError):
-        raise ValueError(f"--hold: stdin gave {line.strip()[:100]!r}, not one JSON line "
-                         f"{{\"cache\": PATH, \"fingerprint\": FP}}") from None
+    except (ValueError, KeyError, TypeError, RecursionError):
+        raise ValueError(f"--hold: stdin gave {line.strip()[:100]!r}, not one JSON line {want}; "
+                         f"nothing written") from None
     if fingerprint != spec.fingerprint:
         raise ValueError(f"--hold: the trainer names cache {fingerprint}, these options give {spec.fingerprint}: "
                          f"the two disagree on the teacher, the data set or the shared options; nothing written")
-    return path
+    from store.paths import base_path
+    return base_path(path)  # P, P.h5 or P.parts name the same cache: its base, as `fill` takes it
 
 
 def report(args, log, spec, result):

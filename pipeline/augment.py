@@ -140,15 +140,33 @@ class UserAugment:
 
     def one(self, image, seed, index, view):
         """The augmented copy of one image for key (index, view)."""
+        from .pieces import USER_ERRORS, raised
         try:
             out = self.fn(image.copy(), key_rng(seed, index, view))
-        except Exception as e:
-            raise AugmentError(f"augmentation {self.name} raised {type(e).__name__}: {e}") from e
-        out = np.asarray(out)
+        except USER_ERRORS as e:
+            raise AugmentError(f"augmentation {self.name} {raised(e)}") from e
+        if out is None:
+            raise AugmentError(f"augmentation {self.name} returned None: return the augmented image (the "
+                               f"function must `return image`, not change it in place only)")
+        kind = type(out).__name__
+        try:
+            out = np.asarray(out.asnumpy() if hasattr(out, "asnumpy") else out)
+        except (ValueError, TypeError):  # ragged lists and the like: not an image
+            out = np.asarray(None)
+        if not (np.issubdtype(out.dtype, np.number) or out.dtype == bool):
+            raise AugmentError(f"augmentation {self.name} returned a {kind} of {out.dtype}, not an image: return "
+                               f"a float32 array of the image's shape {image.shape}")
         if out.shape != image.shape:
             raise AugmentError(f"augmentation {self.name} turned an image of shape {image.shape} into {out.shape}: "
                                f"it must keep the shape (crop after padding, flip, jitter)")
         return out.astype(np.float32, copy=False)
+
+    def check(self, dataset, seed):
+        """Run once on sample 0's first view: a function that fails or returns no image of the same
+        shape is refused (AugmentError) before anything is written or started, not at the first batch
+        (by then a producer has made its cache's folder)."""
+        if len(dataset):
+            self.one(dataset.get_batch([0])[0][0], seed, 0, 0)
 
     def apply(self, x, seed, indices, views):
         vs = np.broadcast_to(np.asarray(views), np.shape(indices))

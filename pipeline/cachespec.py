@@ -44,6 +44,8 @@ def build_spec(teacher_id, dataset, *, views=1, augment=None, seed=0, codec="ful
 def spec_from_args(args, dataset, teacher):
     """(CacheSpec, Augment) for the shared options (--views, --augment, --seed, --codec, --dtype)."""
     augment = resolve_augment(args.augment, dataset.name, args.views)
+    if isinstance(augment, UserAugment):
+        augment.check(dataset, args.seed)  # a user's augmentation that fails now fails before any cache exists
     spec = build_spec(teacher.identity(), dataset, views=args.views, augment=augment, seed=args.seed,
                       codec=args.codec, dtype=args.dtype)
     return spec, augment

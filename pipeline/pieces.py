@@ -23,10 +23,23 @@ import numpy as np
 from .dataset_base import Dataset, DatasetError
 
 PIECE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+# A data set is read item by item once (its digest) and holds one int64 label per item: a length past
+# this is a wrong __len__, not a data set (ImageNet-21k has 14 million images).
+MAX_ITEMS = 1 << 30
+# What a user's code may raise and is reported as its failure: sys.exit() in a piece is a mistake
+# in it, not the command's exit status (KeyboardInterrupt stays the user's stop).
+USER_ERRORS = (Exception, SystemExit)
 
 
 class PieceError(DatasetError):
     """A user's piece cannot be loaded or misbehaves; the message names it."""
+
+
+def raised(e):
+    """What a user's code raised, in words: 'raised ValueError: ...', or 'called sys.exit(0)'."""
+    if isinstance(e, SystemExit):
+        return f"called sys.exit({e.code!r}) (a piece must return or raise, not end the command)"
+    return f"raised {type(e).__name__}: {e}"
 
 
 def is_piece(spec):
@@ -44,8 +57,8 @@ def load_piece(spec, flag):
     except ModuleNotFoundError as e:
         raise PieceError(f"{flag} {spec}: no module named {e.name!r}: run from the folder that holds {module}.py, "
                          f"or add its folder to PYTHONPATH") from None
-    except Exception as e:
-        raise PieceError(f"{flag} {spec}: importing {module} raised {type(e).__name__}: {e}") from None
+    except USER_ERRORS as e:
+        raise PieceError(f"{flag} {spec}: importing {module} {raised(e)}") from None
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise PieceError(f"{flag} {spec}: {module} has no {attr!r}: name a function defined in {module}")
@@ -99,10 +112,13 @@ class UserDataset(Dataset):
             n = len(ds)
         except PieceError:
             raise
-        except Exception as e:
-            raise PieceError(f"--dataset {self.spec}: {self.spec}({split!r}) raised {type(e).__name__}: {e}") from None
+        except USER_ERRORS as e:
+            raise PieceError(f"--dataset {self.spec}: {self.spec}({split!r}) {raised(e)}") from None
         if n == 0:
             raise PieceError(f"--dataset {self.spec}: the {split} split has no items")
+        if n > MAX_ITEMS:  # checked before the labels are allocated
+            raise PieceError(f"--dataset {self.spec}: the {split} split says it has {n} items, more than the limit "
+                             f"of {MAX_ITEMS} (each is read once for its digest): check its __len__")
         self.inner, self.name, self.split = ds, self.spec, split
         h = hashlib.sha256()
         labels = np.empty(n, dtype=np.int64)
@@ -126,8 +142,8 @@ class UserDataset(Dataset):
     def _item(self, i):
         try:
             item = self.inner[i]
-        except Exception as e:
-            raise PieceError(f"--dataset {self.spec}: item {i} raised {type(e).__name__}: {e}") from None
+        except USER_ERRORS as e:
+            raise PieceError(f"--dataset {self.spec}: item {i} {raised(e)}") from None
         return _image(item, i, self.spec)
 
     def __len__(self):

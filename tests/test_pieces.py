@@ -37,6 +37,27 @@ PIECES = open(os.path.join(ROOT, "examples", "own_pieces.py")).read() + textwrap
         return "a string"
 
 
+    def exits(split):
+        import sys
+        sys.exit(0)
+
+
+    class Huge:
+        def __len__(self):
+            return 10 ** 11
+
+        def __getitem__(self, i):
+            return np.zeros((1, 8, 8), np.float32), 0
+
+
+    def huge(split):
+        return Huge()
+
+
+    def in_place(image, rng):
+        image *= 0.5  # no return: None
+
+
     def too_wide(classes):
         from mxnet import gluon
         net = gluon.nn.HybridSequential(prefix="wide_")
@@ -93,13 +114,18 @@ def test_own_data_augmentation_and_student_train_and_verify(user):
     (["--dataset", "mine:not_pairs"], "--dataset mine:not_pairs: item 0 is ndarray, not (image, label)"),
     (["--dataset", "mine:load", "--augment", "mine:shrink", "--views", "2"],
      "augmentation mine:shrink turned an image of shape (1, 8, 8) into (1, 4, 8)"),
+    (["--dataset", "mine:exits"], "--dataset mine:exits: mine:exits('train') called sys.exit(0)"),
+    (["--dataset", "mine:huge"], "the train split says it has 100000000000 items, more than the limit of 1073741824"),
+    (["--dataset", "mine:load", "--augment", "mine:in_place", "--views", "2"], "augmentation mine:in_place returned None"),
 ])
-def test_each_failing_piece_is_one_line_naming_it(user, args, words):
-    r = run(user, "cache", "--teacher", "teacher", *args, "--quiet")
+def test_each_failing_piece_is_one_line_naming_it(user, tmp_path, args, words):
+    r = run(user, "cache", "--teacher", "teacher", *args, "--quiet", "--cache-dir", tmp_path / "caches")
     assert r.returncode == 2, r.stderr[-2000:]
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and words in errors[0], r.stderr[-2000:]
     assert "Traceback" not in r.stderr
+    # a mistake changes no cache directory: nothing made, not even an empty folder
+    assert not (tmp_path / "caches").exists() or os.listdir(tmp_path / "caches") == []
 
 
 def test_a_student_that_is_not_a_block_is_one_line(user):

@@ -53,13 +53,13 @@ BUILTIN = {"mlp": mlp, "mlp128": mlp128, "small_cnn": small_cnn, "digits_teacher
 def get_model(name, classes, prefix="student_"):
     """A built-in network, a Gluon model-zoo vision architecture (no pretrained weights), or the
     user's MODULE:FUNCTION(classes) returning a HybridBlock (its prefix is its own)."""
-    from pipeline.pieces import PieceError, is_piece, load_piece
+    from pipeline.pieces import USER_ERRORS, PieceError, is_piece, load_piece, raised
     if is_piece(name):
         fn = load_piece(name, "--student")
         try:
             net = fn(classes)
-        except Exception as e:
-            raise PieceError(f"--student {name}: {name}({classes}) raised {type(e).__name__}: {e}") from None
+        except USER_ERRORS as e:
+            raise PieceError(f"--student {name}: {name}({classes}) {raised(e)}") from None
         if not isinstance(net, gluon.HybridBlock):
             raise PieceError(f"--student {name}: {name}({classes}) returned a {type(net).__name__}, not a Gluon "
                              f"HybridBlock (the trainer hybridizes and exports it)")

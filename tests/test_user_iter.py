@@ -134,3 +134,33 @@ def test_an_iterator_that_augments_is_reported_once(rec_cache, caplog):
     caplog.clear()
     SoftTargetIter(aug, CacheReader(cache), augments=False)
     assert "augments" not in caplog.text
+
+
+def test_an_index_past_the_cache_is_refused_before_anything_is_sized_by_it(rec_cache):
+    """An iterator giving index 2e8 for a cache of 150 samples: the range error comes first, with
+    no allocation for 2e8 samples (the augmentation probe once sized an array by the largest index)."""
+    import tracemalloc
+
+    import mxnet as mx
+    from store import CacheReader
+    from store.errors import BadInputError
+    from trainer import SoftTargetIter
+
+    class FarIter(mx.io.DataIter):
+        def __init__(self):
+            super().__init__(4)
+            self.provide_data = [mx.io.DataDesc("data", (4, 3, 8, 8))]
+            self.provide_label = [mx.io.DataDesc("softmax_label", (4,))]
+
+        def next(self):
+            return mx.io.DataBatch(data=[mx.nd.zeros((4, 3, 8, 8))], label=[mx.nd.zeros(4)], pad=0,
+                                   index=np.array([0, 1, 2, 2 * 10 ** 8]))
+    it = SoftTargetIter(FarIter(), CacheReader(rec_cache[2]))
+    tracemalloc.start()
+    try:
+        with pytest.raises(BadInputError, match=r"sample indices \[200000000\] out of range \[0, 150\)"):
+            it.next()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 20, f"{peak / 2 ** 20:.0f} MiB allocated before the range error"

@@ -18,6 +18,7 @@ import numpy as np
 
 from pipeline.augment import Augment, make_views
 from pipeline.schedule import epoch_batches, view_of_epoch
+from store.schema import index_error
 
 log = logging.getLogger("kdcache.trainer")
 
@@ -128,9 +129,14 @@ class SoftTargetIter(mx.io.DataIter):
                 raise ValueError(f"the iterator gave record keys {bad}, which are not among the cache's keys: "
                                  f"the cache was built from another .idx")
             index = pos[at]
+        # The indices are checked before anything is sized by them (the augmentation probe keeps one
+        # value per sample up to the largest index): an index of 2e8 is a range error, not 1.6 GB.
+        n = getattr(getattr(self.targets, "spec", None), "num_samples", None)
+        if n is not None and index.size and (index.min() < 0 or index.max() >= n):
+            raise index_error(index, n)
+        t = self.targets.get(index, view_of_epoch(self.epoch, self.views))
         if self.augments is None:
             self._probe(b.data[0], index, b.pad or 0)
-        t = self.targets.get(index, view_of_epoch(self.epoch, self.views))
         ctx = b.data[0].context
         return mx.io.DataBatch(data=b.data, label=list(b.label or []) + [mx.nd.array(t, ctx=ctx)], pad=b.pad,
                                index=index, provide_data=self.provide_data, provide_label=self.provide_label)

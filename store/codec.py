@@ -23,7 +23,7 @@ refused with one line (rebuild it). Writers always write the current version.
 import numpy as np
 
 from . import schema
-from .errors import BadInputError, NewerFormatError, StoreError
+from .errors import BadInputError, DamagedRowsError, NewerFormatError, StoreError
 
 DTYPES = ("float16", "float32")
 VERSIONS = {"full": 1, "topk": 2, "int8": 1}  # the version of each codec that writers write
@@ -134,6 +134,11 @@ class TopKCodec:
         idx = fields[schema.TOPK_INDICES].astype(np.int64)
         lse = fields[schema.TOPK_LSE].astype(np.float32)
         n, c, k = vals.shape[0], self.num_classes, self.k
+        wrong = (idx < 0) | (idx >= c)
+        if wrong.any():  # a writer never stores these: the file changed since (not the caller's indices)
+            rows = np.flatnonzero(wrong.any(axis=1))
+            raise DamagedRowsError(f"{schema.TOPK_INDICES} holds class index {int(idx[wrong][0])}, outside [0, {c}), "
+                                   f"in {rows.size} row(s): the cache is damaged", rows=rows)
         if out is None:
             out = np.empty((n, c), dtype=np.float32)
         if k < c:

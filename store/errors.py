@@ -17,6 +17,15 @@ class UnsupportedFormatError(StoreError):
     """A file is not a kdcache cache, or was written by a newer format version."""
 
 
+class DamagedRowsError(UnsupportedFormatError):
+    """Stored rows that cannot be what a writer wrote (a class index past the class count): the file was
+    changed after it was written. `rows`: their positions in the batch being decoded."""
+
+    def __init__(self, message, rows=None):
+        super().__init__(message)
+        self.rows = rows
+
+
 class NewerFormatError(UnsupportedFormatError):
     """A file written by a newer kdcache (a higher format version): refused, never removed as damaged."""
 

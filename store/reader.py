@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 from . import schema
-from .errors import (CacheNotFoundError, FingerprintMismatchError,
+from .errors import (CacheNotFoundError, DamagedRowsError, FingerprintMismatchError,
                      MissingTargetsError, ProducerGoneError)
 from .demand import publish, withdraw
 from .housekeeping import final_spec, parts_spec, settle
@@ -300,7 +300,12 @@ class CacheReader:
                     raise MissingTargetsError(f"{miss.size} of {keys.size} targets are not in the cache yet",
                                               missing=miss)
                 self._wait(keys, self.timeout if timeout is None else timeout)
-        return self.codec.decode(self._gather(keys))
+        try:
+            return self.codec.decode(self._gather(keys))
+        except DamagedRowsError as e:  # named here, where the cache's path and the keys are known
+            shown = keys[e.rows[:5]].tolist() if e.rows is not None else []
+            raise DamagedRowsError(f"cache {self.base}: {e} (flat keys {shown}); check it with `kdcache verify "
+                                   f"{self.base}`, then remove it and build it again", rows=e.rows) from None
 
     def _wait(self, keys, timeout):
         t0 = time.monotonic()

@@ -100,3 +100,30 @@ def test_spec_validation():
         CacheSpec(num_samples=0, num_classes=10)
     with pytest.raises(StoreError, match="positive integer"):
         CacheSpec(num_samples=10, num_classes=10, views=1.5)
+
+
+def test_a_stored_class_index_past_the_class_count_is_named_as_damage_not_as_the_callers_indices(cache_dir):
+    """A topk cache whose file was changed after it was written: its reader names the cache as damaged
+    and `kdcache verify`, never the caller's sample indices; verify lists the same rows."""
+    import h5py
+
+    from store import CacheReader, UnsupportedFormatError
+    from store.verify import verify
+    from tests.helpers import produce
+    spec = make_spec(num_samples=40, num_classes=10, codec="topk:3", dtype="float16")
+    base = path_for(cache_dir, spec.fingerprint)
+    assert produce(base, spec)
+    with h5py.File(base + ".h5", "r+") as f:
+        f[schema.TOPK_INDICES][7, 0, 1] = 12  # sample 7, view 0, its second class
+    r = CacheReader(base)
+    assert r.get(np.arange(7)).shape == (7, 10)  # the sound rows still read
+    with pytest.raises(UnsupportedFormatError) as e:
+        r.get(np.arange(5, 10))
+    msg = str(e.value)
+    for words in (f"cache {base}", "topk_indices holds class index 12", "damaged", "flat keys [7]",
+                  f"kdcache verify {base}"):
+        assert words in msg, msg
+    assert "out of range" not in msg and "\n" not in msg
+    r.close()
+    _, problems = verify(base)
+    assert any(schema.TOPK_INDICES in p for p in problems)

@@ -117,7 +117,7 @@ def open_final(path):
     except OSError as e:
         raise UnsupportedFormatError(
             f"{path}: not a readable HDF5 file ({e}): it is truncated, damaged or of another format. "
-            f"Remove it (python -m store gc --damaged, or rm) and rebuild the cache") from None
+            f"Remove it (kdcache gc removes damaged caches, or rm) and rebuild the cache") from None
 
 
 def committed_rows(f, spec=None):

@@ -66,9 +66,9 @@ def parse_args(argv=None, prog="python -m cache_builder"):
     resolve_teacher(args, p)
     check_views(args, p)
     check_applies(args, p)
-    if args.ring and (args.shards > 1 or args.shard != "0/1"):
+    if args.ring and (args.shards > 1 or args.shard.count > 1):
         p.error("argument --ring: a ring streams from one producer; drop --shard/--shards")
-    if args.shards > 1 and args.shard != "0/1":
+    if args.shards > 1 and args.shard.count > 1:
         p.error(f"argument --shards: --shards {args.shards} forks shards 0/{args.shards} .. "
                 f"{args.shards - 1}/{args.shards} itself; drop --shard")
     if args.timeline and not (args.online or args.ring):
@@ -136,7 +136,7 @@ def run(args, log):
     from pipeline.datasets import load_dataset
     from store import path_for
 
-    shard = tuple(int(v) for v in args.shard.split("/"))
+    shard = tuple(args.shard)  # (index, count), as --shard parsed it
     topt = TeacherOptions.from_args(args)
     t0 = time.perf_counter()
     dataset = load_dataset(args.dataset, data_root=args.data_root, split=args.split,
@@ -147,7 +147,7 @@ def run(args, log):
              dataset.name, dataset.split, len(dataset), dataset.num_classes, spec.views, augment.spec,
              spec.codec, spec.dtype)
     result = {"cache_path": path + ".h5", "fingerprint": spec.fingerprint, "rows_written": 0,
-              "teacher_forwards": 0, "reused": False, "complete": False, "shard": args.shard}
+              "teacher_forwards": 0, "reused": False, "complete": False, "shard": str(args.shard)}
     timeline = [] if args.timeline else None
     if args.hold:
         from pipeline.teacher import check_fits, load_teacher

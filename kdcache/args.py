@@ -30,6 +30,15 @@ class Allowed:
 
     format = staticmethod(str)  # the value back as a command-line word
 
+    def coerce(self, value, flag, error=ValueError):
+        """The typed value of `value` for a caller of the Python API: a string goes through this same
+        parser (the command line's; never a second copy), a value already parsed is checked by formatting
+        it back and parsing that. A mistake raises `error` naming `flag`, the value and what is allowed."""
+        try:
+            return self(value if isinstance(value, str) else self.format(value))
+        except (argparse.ArgumentTypeError, TypeError, ValueError, IndexError) as e:
+            raise error(f"{flag} {value!r}: {e}") from None
+
 
 class Int(Allowed):
     """An integer in [lo, hi]."""

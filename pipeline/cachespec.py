@@ -25,9 +25,9 @@ def resolve_augment(spec, dataset_name, views):
         if views == 1:
             return Augment()
         return Augment.parse(DEFAULT_AUGMENT.get(dataset_name, DEFAULT_AUGMENT_IMAGES))
-    aug = Augment.parse(spec)
+    aug = spec if isinstance(spec, Augment) else Augment.parse(spec)  # as --augment parsed it, or its spec
     if views > 1 and not aug.active:
-        raise ValueError(f"--views {views} with --augment {spec}: every view would be the same image; "
+        raise ValueError(f"--views {views} with --augment {aug.spec}: every view would be the same image; "
                          f"name an augmentation (e.g. --augment crop:4,flip) or use --views 1")
     return aug
 

@@ -90,13 +90,11 @@ BUILTIN = ("digits", "mnist5k", "synthetic")
 
 
 def _size(s):
+    """--image-size: the (H, W) the command line parsed, or an HxW string through the same parser."""
     if s is None:
         return None
-    try:
-        h, w = (int(v) for v in str(s).lower().split("x"))
-        return h, w
-    except ValueError:
-        raise DatasetError(f"--image-size {s!r}: use HxW, e.g. 224x224") from None
+    from kdcache.args import Size
+    return Size().coerce(s, "--image-size", DatasetError)
 
 
 def load_dataset(name, *, data_root=None, split="train", image_size=None, num_classes=None):

@@ -10,6 +10,7 @@ import math
 import os
 import re
 import sys
+from typing import NamedTuple
 
 from kdcache.args import Allowed, Dir, Floats, Int, Name, Option, Path, Size, fail, option_table
 
@@ -34,7 +35,10 @@ class Codec(Allowed):
 
 
 class AugmentSpec(Allowed):
-    """auto | none | crop:PAD | flip | crop:PAD,flip | MODULE:FUNCTION."""
+    """auto | none | crop:PAD | flip | crop:PAD,flip | MODULE:FUNCTION.
+
+    The value: an Augment, or "auto" (it depends on the views and the data set), or the string
+    MODULE:FUNCTION (loading it imports the user's module: that waits for the data)."""
 
     def __call__(self, s):
         from .pieces import is_piece
@@ -50,7 +54,11 @@ class AugmentSpec(Allowed):
                  f"0 to 64), or MODULE:FUNCTION (your own: FUNCTION(image, rng) -> image)")
         if aug.pad > 64:
             fail(f"{s!r}: crop padding {aug.pad} is more than 64 pixels")
-        return v
+        return aug
+
+    @staticmethod
+    def format(v):
+        return v.spec if isinstance(v, Augment) else str(v)
 
 
 class DatasetSpec(Allowed):
@@ -63,7 +71,9 @@ class DatasetSpec(Allowed):
         v = str(s).strip()
         if is_piece(v):
             return v  # MODULE:FUNCTION, loaded (and checked) with the data
-        base = v.split(":", 1)[0].lower()
+        base, colon, params = v.partition(":")
+        base = base.strip().lower()
+        v = base + colon + params  # the data set's name as the default teachers and recipes know it
         if base not in DATASETS:
             fail(f"unknown data set {s!r}: use one of {', '.join(DATASETS)}, or MODULE:FUNCTION (your own)")
         if base != "synthetic" and ":" in v:
@@ -86,18 +96,31 @@ class CachePath(Allowed):
     """A cache's path: P, P.h5 or P.parts (not a folder of its own)."""
 
     def __call__(self, s):
-        v = str(s).strip().rstrip("/")
-        if v == "auto":
-            return v
-        if not v:
-            fail("an empty path: name the cache, P or P.h5")
-        for suffix in (".h5", ".parts"):  # the same base, however it is named
-            if v.endswith(suffix):
-                v = v[: -len(suffix)]
+        from store.paths import base_path  # the store's own reading of P, P.h5 and P.parts
+        if str(s).strip() == "auto":
+            return None
+        v = base_path(str(s).strip())
+        if not v.rstrip("/"):
+            fail(f"{s!r}: an empty path: name the cache, P or P.h5")
+        if base_path(v) != v:  # the store reads P.h5.h5 as P.h5, which is P: one name, one cache
+            fail(f"{s!r}: name the cache P, P.h5 or P.parts with P not ending in .h5 or .parts")
         if os.path.isdir(v):
             fail(f"{s!r} is a folder: name the cache inside it (P: the files are P.h5 and P.parts), or pass "
                  f"--cache-dir {s}")
         return v
+
+    @staticmethod
+    def format(v):
+        return v + ".h5"  # P.h5 names P even when P is "auto"
+
+
+class ShardOf(NamedTuple):
+    """Shard `index` of `count`: the keys with key mod count = index. Written i/n."""
+    index: int
+    count: int
+
+    def __str__(self):
+        return f"{self.index}/{self.count}"
 
 
 class Shard(Allowed):
@@ -107,7 +130,7 @@ class Shard(Allowed):
         m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", str(s))
         if not m or int(m.group(2)) < 1 or int(m.group(1)) >= int(m.group(2)):
             fail(f"{s!r}: use i/n with 0 <= i < n, e.g. 0/2")
-        return f"{int(m.group(1))}/{int(m.group(2))}"
+        return ShardOf(int(m.group(1)), int(m.group(2)))
 
 
 TEACHER, DATA, CACHE, SCHEDULE = "teacher", "data", "cache", "schedule (the same for the producer and the trainer)"
@@ -213,7 +236,7 @@ def check_applies(args, parser):
 
 def check_views(args, parser):
     """--views V > 1 needs an augmentation: V copies of the same image would be V identical views."""
-    if args.views > 1 and args.augment == "none":
+    if args.views > 1 and isinstance(args.augment, Augment) and not args.augment.active:
         parser.error(f"argument --views: with --augment none every view would be the same image ({args.views} "
                      f"copies); "
                      f"name an augmentation (--augment crop:4,flip) or use --views 1")

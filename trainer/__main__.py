@@ -78,7 +78,7 @@ def train_main(argv=None, prog="python -m trainer"):
         # and a producer that both use every core run several times slower.
         os.environ["OMP_NUM_THREADS"] = str(threads)
         os.environ.setdefault("MXNET_SUBGRAPH_VERBOSE", "0")
-        if args.ctx.startswith("gpu"):  # GPUs MXNet cannot see: say so before the producer writes
+        if args.ctx.kind == "gpu":  # GPUs MXNet cannot see: say so before the producer writes
             from trainer.train import resolve_ctx
             resolve_ctx(args.ctx)
         plan = plan or make_plan(args)

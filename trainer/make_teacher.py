@@ -38,11 +38,11 @@ def train_teacher(dataset, test, *, arch="digits_teacher", epochs=40, batch_size
     from mxnet import autograd, gluon
     from tqdm import tqdm
 
-    from pipeline.augment import Augment
+    from pipeline.augment import as_augment
     from trainer.models import get_model
     if schedule not in ("cosine", "constant"):
         raise ValueError(f"learning-rate schedule {schedule!r}: use cosine or constant")
-    aug = Augment.parse(augment)
+    aug = as_augment(augment)  # an Augment as --augment parsed it, or its spec string
     mx.random.seed(seed)
     np.random.seed(seed)
     net = (TEACHER_NETS[arch](dataset.num_classes, prefix="teacher_") if arch in TEACHER_NETS
@@ -180,7 +180,7 @@ def main(argv=None, prog="python -m trainer.make_teacher"):
     os.replace(f"{tmp}-0000.params", f"{args.out}-0000.params")
     os.replace(f"{tmp}-symbol.json", f"{args.out}-symbol.json")
     info = {"dataset": args.dataset, "arch": args.arch, "epochs": args.epochs, "lr": args.lr,
-            "schedule": args.schedule, "augment": args.augment, "seed": args.seed,
+            "schedule": args.schedule, "augment": AugmentSpec.format(args.augment), "seed": args.seed,
             "test_acc": acc, "seconds": round(time.perf_counter() - t0, 1)}
     with open(f"{args.out}-info.json", "w") as fh:
         json.dump(info, fh, indent=1)

@@ -5,6 +5,7 @@ The options it shares with the producer come from pipeline.options.SHARED, decla
 import argparse
 import os
 import re
+from typing import NamedTuple
 
 from kdcache.args import Allowed, Dir, Float, Int, Name, Option, Parser, add_options, fail
 from pipeline.options import SHARED, check_applies, check_views, resolve_teacher
@@ -21,19 +22,29 @@ warm cache makes the teacher cost nothing: a second experiment with another stud
 temperature or alpha reuses it."""
 
 
+class Devices(NamedTuple):
+    """The devices --ctx names: kind auto, cpu or gpu, and the device ids (None: the kind's default)."""
+    kind: str
+    ids: tuple = None
+
+    def __str__(self):
+        return self.kind + ("" if self.ids is None else ":" + ",".join(map(str, self.ids)))
+
+
 class Ctx(Allowed):
     """auto | cpu | cpu:0,1 | gpu | gpu:0[,1,...]."""
 
     def __call__(self, s):
         v = str(s).strip().lower()
         m = re.fullmatch(r"(cpu|gpu)(?::(\d+(?:,\d+)*))?", v)
-        if v != "auto" and not m:
+        if v == "auto":
+            return Devices("auto")
+        if not m:
             fail(f"{s!r}: use auto, cpu, cpu:0,1 or gpu:0[,1,...]")
-        if m and m.group(2):
-            ids = [int(i) for i in m.group(2).split(",")]
-            if len(set(ids)) != len(ids):
-                fail(f"{s!r}: device ids must be distinct")
-        return v
+        ids = None if m.group(2) is None else tuple(int(i) for i in m.group(2).split(","))
+        if ids is not None and len(set(ids)) != len(ids):
+            fail(f"{s!r}: device ids must be distinct")
+        return Devices(m.group(1), ids)
 
 
 def zoo_names():
@@ -155,3 +166,11 @@ def parse_args(argv=None, prog="python -m trainer", launched=False):
     if (args.kvstore or "").startswith("dist") and args.store == "ring":
         p.error("argument --store: a ring has one reader; distributed workers read a cache (--store cache)")
     return args
+
+
+def recorded(args):
+    """The options as a checkpoint records them (JSON): a value parsed into an object (--augment's
+    Augment, --ctx's Devices) as its command-line word."""
+    from pipeline.augment import Augment
+    by_dest = {o.dest: o for o in SHARED + TRAINER}
+    return {k: by_dest[k].format(v) if isinstance(v, (Augment, Devices)) else v for k, v in vars(args).items()}

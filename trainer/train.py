@@ -21,6 +21,7 @@ from store.registry import final_path
 from trainer.checkpoint import load_checkpoint, save_checkpoint
 from trainer.loss import KDLoss
 from trainer.models import check_student, get_model, model_identity
+from trainer.options import recorded
 from trainer.prefetch import Prefetcher
 from trainer.targets import (TrainError, create_ring, producer_command, producer_failure, producer_result,
                              producer_running, ring_targets, start_producer, stop_producer)
@@ -30,27 +31,19 @@ log = logging.getLogger("kdcache.trainer")
 
 # --- small helpers ---------------------------------------------------------------------------
 def resolve_ctx(arg):
-    if arg == "auto":
+    """MXNet's contexts for --ctx: the Devices it parsed, or its string through the same parser."""
+    from trainer.options import Ctx
+    d = Ctx().coerce(arg, "--ctx", TrainError)
+    if d.kind == "auto":
         return [mx.gpu(0)] if mx.context.num_gpus() > 0 else [mx.cpu()]
-    if arg == "cpu":
-        return [mx.cpu()]
-    if arg.startswith("cpu:"):  # several CPU contexts: the multi-device path (split batches, device kvstore)
-        try:
-            ids = [int(i) for i in arg.split(":", 1)[1].split(",")]
-        except ValueError:
-            raise TrainError(f"--ctx {arg!r}: use cpu:0,1 (device ids separated by commas)") from None
-        if len(set(ids)) != len(ids) or min(ids) < 0:
-            raise TrainError(f"--ctx {arg!r}: device ids must be distinct and not negative")
-        return [mx.cpu(i) for i in ids]
-    if arg.startswith("gpu"):
-        ids = arg.split(":", 1)[1] if ":" in arg else "0"
-        n = mx.context.num_gpus()
-        ctx = [mx.gpu(int(i)) for i in ids.split(",")]
-        if any(c.device_id >= n for c in ctx):
-            raise TrainError(f"--ctx {arg}: MXNet sees {n} GPU(s); install a CUDA build of MXNet "
-                             f"(pip install mxnet-cu112==1.9.1 numpy==1.23.5) or use --ctx cpu")
-        return ctx
-    raise TrainError(f"--ctx {arg!r}: use auto, cpu, cpu:0,1 or gpu:0[,1,...]")
+    if d.kind == "cpu":  # several CPU contexts: the multi-device path (split batches, device kvstore)
+        return [mx.cpu(i) for i in d.ids] if d.ids else [mx.cpu()]
+    n = mx.context.num_gpus()
+    ctx = [mx.gpu(i) for i in d.ids or (0,)]
+    if any(c.device_id >= n for c in ctx):
+        raise TrainError(f"--ctx {d}: MXNet sees {n} GPU(s); install a CUDA build of MXNet "
+                         f"(pip install mxnet-cu112==1.9.1 numpy==1.23.5) or use --ctx cpu")
+    return ctx
 
 
 # --- targets ---------------------------------------------------------------------------------
@@ -295,7 +288,7 @@ def run(args, plan, early, threads, cores):
             log.info("epoch %d/%d: loss %.4f, test accuracy %.4f, %.0f samples/s, stall %.2f s%s", epoch + 1,
                      args.epochs, loss, acc, epoch_seen / dt, pf.stall_s,
                      f" (worker {rank} of {workers})" if workers > 1 else "")
-            options = vars(args)
+            options = recorded(args)  # JSON: typed values as their command-line words
             save_checkpoint(run_dir, net, trainer, epoch, {"history": history, "args": options,
                                                            "rank": rank, "workers": workers, "kvstore": args.kvstore})
             interrupts.check()

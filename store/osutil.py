@@ -217,3 +217,68 @@ def pid_ours(pid):
     except OSError:
         return False
     return True
+
+
+# --- network file systems --------------------------------------------------------------------
+# HDF5's SWMR (a reader following a cache while its producer writes it) needs POSIX write ordering,
+# which network file systems do not give: on them a reader behind a live writer may fail or see
+# rows before their data. Finished caches read fine from any host, and each host's producer may
+# fill its own shard (its own segment file): only live reading is not supported there. Cluster file
+# systems that claim POSIX semantics (Lustre, GPFS, BeeGFS) are not listed.
+MOUNTINFO = "/proc/self/mountinfo"
+NETWORK_FS = frozenset({"nfs", "nfs4", "cifs", "smb3", "smbfs", "ncpfs", "afs", "9p", "ceph", "glusterfs",
+                        "davfs", "fuse.sshfs", "fuse.glusterfs", "fuse.cephfs", "fuse.s3fs", "fuse.gcsfuse",
+                        "fuse.rclone", "fuse.davfs2", "fuse.juicefs", "fuse.goofys", "fuse.blobfuse"})
+_warned_mounts = set()
+
+
+def _unescape(field):
+    """A mountinfo path field: the kernel writes space, tab, newline and backslash as \\ooo octal."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def mount_of(path, mountinfo=None):
+    """(mount point, file system type) of the mount that holds `path` (which need not exist yet), from
+    /proc/self/mountinfo (or the table `mountinfo` names); None where that cannot be read (not Linux)."""
+    try:
+        with open(mountinfo or MOUNTINFO, encoding="utf-8", errors="replace") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return None
+    real = os.path.realpath(path)
+    best = None
+    for line in lines:
+        left, sep, right = line.partition(" - ")
+        fields, tail = left.split(), right.split()
+        if not sep or len(fields) < 5 or not tail:
+            continue
+        point = _unescape(fields[4])
+        inside = real == point or real.startswith(point.rstrip("/") + "/")
+        if inside and (best is None or len(point) >= len(best[0])):  # the deepest; a later mount shadows
+            best = (point, tail[0])
+    return best
+
+
+def network_filesystem(path, mountinfo=None):
+    """(mount point, type) when `path` lies on a network file system, else None."""
+    found = mount_of(path, mountinfo)
+    if found is None:
+        return None
+    kind = found[1]
+    return found if kind in NETWORK_FS or kind.startswith("nfs") else None
+
+
+def warn_if_network(path, mountinfo=None):
+    """Warn once per mount (kdcache.store logger) that a cache directory on a network file system
+    cannot be read while it is being written. Returns whether `path` is on one."""
+    found = network_filesystem(path, mountinfo)
+    if found is None:
+        return False
+    if found not in _warned_mounts:
+        _warned_mounts.add(found)
+        log.warning("%s is on a network file system (%s at %s): HDF5 cannot read a cache there while it is being "
+                    "written (SWMR needs a local file system), so a trainer must not read behind a live producer "
+                    "in it; finished caches read fine from every host, and producers on several hosts may each "
+                    "fill their own --shard. For live reading use a local --cache-dir (or --store ring)",
+                    path, found[1], found[0])
+    return True

@@ -23,7 +23,7 @@ from .errors import (CacheNotFoundError, DamagedRowsError, FingerprintMismatchEr
 from .demand import publish, withdraw
 from .housekeeping import final_spec, parts_spec, settle
 from .mapped import MapUnavailable, map_fields
-from .osutil import available_memory
+from .osutil import available_memory, warn_if_network
 from .registry import base_path, final_path, parts_path, touch_used
 from .segment import committed_rows, list_segments, lock_holders, open_final, open_swmr, read_segment_rows
 from .validate import check_committed, check_keys, check_scale, check_segment
@@ -123,6 +123,7 @@ class CacheReader:
             self.source = "ram" if self.in_ram else "disk"
             log.info("%s is still being written: following its segments %s (mapped once finished)", self.base,
                      "in RAM" if self.in_ram else "from disk per batch (larger than the memory budget)")
+            warn_if_network(os.path.dirname(self.base) or ".")  # following a live writer: not over NFS
             if self.in_ram:
                 self._tables = {n: np.zeros((nk,) + tuple(s), dtype=self._ram_dtype.get(n, d))
                                 for n, s, d in self.codec.fields}

@@ -1,4 +1,7 @@
 """python -m cache_builder: run a frozen teacher on the CPU and fill the soft-target cache."""
+if __name__ == "__main__":  # first, before anything heavy is imported: signals at safe points only
+    from kdcache import signals as _signals
+    _signals.defer()
 import argparse
 import json
 import logging
@@ -180,7 +183,9 @@ def await_cache(log, spec, stream=None):
     """--hold: the cache's name, from one JSON line on stdin; None at end of input (the trainer
     found the cache complete, or another producer filling it, or is gone)."""
     log.info("loaded; waiting for the trainer to name the cache")
-    line = (stream or sys.stdin).readline(HOLD_LINE_MAX + 1)
+    from kdcache import signals
+    with signals.interruptible():  # a stop while waiting: nothing is open yet
+        line = (stream or sys.stdin).readline(HOLD_LINE_MAX + 1)
     if not line.strip():
         log.info("the trainer needs no producer: nothing written")
         return None
@@ -227,60 +232,81 @@ def run_shards(args, log, path, spec, result, t0, fill_shard):
 
     A shard that fails or dies stops the others at once (SIGINT: each commits what it wrote and
     leaves), so a trainer reading behind them gets a clear error instead of waiting for rows
-    that no shard will write; running the same command again resumes every shard."""
+    that no shard will write; running the same command again resumes every shard. A stop of the
+    command (Ctrl-C, SIGTERM) stops every shard the same way before the command leaves."""
+    from kdcache import signals
     from pipeline.children import die_with_parent
     parent = os.getpid()
     children = {}
-    for i in range(args.shards):
-        r, w = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the shard: fill, hand the result back, leave without the parent's clean-up
-            os.close(r)
-            die_with_parent(parent)
-            code = 0
-            try:
-                out = fill_shard(i)
-            except KeyboardInterrupt:
-                out, code = {"error": "interrupted"}, 130
-            except Exception as e:  # reported by the parent as one line
-                out, code = {"error": str(e)}, 2
-            with os.fdopen(w, "w") as fh:
-                json.dump(out, fh)
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-        os.close(w)
-        children[pid] = (i, r)
     results, errors, stopped, signalled = [], [], False, set()
-    while children:
-        pid, status = os.wait()
-        if pid not in children:
-            continue
-        i, r = children.pop(pid)
-        with os.fdopen(r) as fh:
-            raw = fh.read()
-        if raw:
-            out = json.loads(raw)
-        elif os.WIFSIGNALED(status):
-            out = {"error": f"killed by signal {os.WTERMSIG(status)} ({signal.Signals(os.WTERMSIG(status)).name})"}
-        else:
-            out = {"error": f"died with status {os.waitstatus_to_exitcode(status)}"}
-        if "error" in out:
-            if stopped and out["error"] == "interrupted":
-                out["stopped"] = True
-            elif not stopped:
-                stopped = True
-                log.error("shard %d/%d: %s; stopping the other shards (their rows are kept)", i, args.shards,
-                          out["error"])
-            for other in set(children) - signalled:  # once each: a second SIGINT could cut its clean-up short
-                signalled.add(other)
+
+    def stop_others():
+        for other in set(children) - signalled:  # once each: SIGINT is taken at the shard's next safe point
+            signalled.add(other)
+            try:
+                os.kill(other, signal.SIGINT)
+            except ProcessLookupError:
+                pass
+
+    try:
+        for i in range(args.shards):
+            signals.check()  # a stop before every shard has started: none more is started
+            r, w = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # the shard: fill, hand the result back, leave without the parent's clean-up
+                os.close(r)
+                die_with_parent(parent)
+                code = 0
                 try:
-                    os.kill(other, signal.SIGINT)
-                except ProcessLookupError:
+                    out = fill_shard(i)
+                except KeyboardInterrupt as e:
+                    out, code = {"error": "interrupted"}, exit_status(e)
+                except Exception as e:  # reported by the parent as one line
+                    out, code = {"error": str(e)}, 2
+                try:
+                    with os.fdopen(w, "w") as fh:
+                        json.dump(out, fh)
+                except OSError:  # the command is gone (kill -9): nobody reads the result
                     pass
-            errors.append((i, out))
-        else:
-            results.append((i, out))
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+            os.close(w)
+            children[pid] = (i, r)
+        while children:
+            with signals.interruptible():  # a stop while the shards work: passed on to them below
+                pid, status = os.wait()
+            if pid not in children:
+                continue
+            i, r = children.pop(pid)
+            with os.fdopen(r) as fh:
+                raw = fh.read()
+            if raw:
+                out = json.loads(raw)
+            elif os.WIFSIGNALED(status):
+                out = {"error": f"killed by signal {os.WTERMSIG(status)} ({signal.Signals(os.WTERMSIG(status)).name})"}
+            else:
+                out = {"error": f"died with status {os.waitstatus_to_exitcode(status)}"}
+            if "error" in out:
+                if stopped and out["error"] == "interrupted":
+                    out["stopped"] = True
+                elif not stopped:
+                    stopped = True
+                    log.error("shard %d/%d: %s; stopping the other shards (their rows are kept)", i, args.shards,
+                              out["error"])
+                stop_others()
+                errors.append((i, out))
+            else:
+                results.append((i, out))
+    except KeyboardInterrupt:
+        stop_others()
+        for pid, (i, r) in children.items():  # each commits what it wrote and leaves; then this command
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
+            os.close(r)
+        raise
     if errors:
         first = [(i, o) for i, o in errors if not o.get("stopped")]
         rest = [i for i, o in errors if o.get("stopped")]

@@ -17,6 +17,9 @@ COMMANDS = {
     "options": ("pipeline.options", "the options the producer and the trainer share, with their defaults"),
 }
 STORE_COMMANDS = ("ls", "inspect", "verify", "gc")
+# The commands that write, start processes or import MXNet take Ctrl-C and SIGTERM at their safe
+# points (kdcache.signals); the others as they come.
+DEFERRING = ("teacher", "cache", "train", "launch")
 # `kdcache verify PATH --teacher PREFIX` runs the teacher (MXNet), which the store never imports.
 TEACHER_VERIFY = "cache_builder.verify"
 
@@ -38,6 +41,17 @@ def usage():
 
 
 def main(argv=None):
+    # First thing, before any command imports MXNet: Ctrl-C and SIGTERM are taken at safe points.
+    from kdcache import signals
+    with signals.deferred():
+        try:
+            return command(argv, signals)
+        except KeyboardInterrupt as e:  # one raised at a safe point outside a command's own handler
+            print(f"kdcache: {signals.stop_word(e)}", file=sys.stderr)
+            return signals.exit_status(e)
+
+
+def command(argv, signals):
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(usage())
@@ -52,12 +66,16 @@ def main(argv=None):
               f"(see kdcache --help)", file=sys.stderr)
         return 2
     import importlib
-    if name == "verify" and teacher_verify(rest):
-        return importlib.import_module(TEACHER_VERIFY).main(rest, prog="kdcache verify")
-    module = importlib.import_module(COMMANDS[name][0])
-    if name in STORE_COMMANDS:
-        return module.main([name, *rest], prog="kdcache")
-    return module.main(rest, prog=f"kdcache {name}")
+    if name in DEFERRING:
+        return importlib.import_module(COMMANDS[name][0]).main(rest, prog=f"kdcache {name}")
+    # The others read and report: Ctrl-C ends them where it lands, as Python does by default.
+    with signals.interruptible():
+        if name == "verify" and teacher_verify(rest):
+            return importlib.import_module(TEACHER_VERIFY).main(rest, prog="kdcache verify")
+        module = importlib.import_module(COMMANDS[name][0])
+        if name in STORE_COMMANDS:
+            return module.main([name, *rest], prog="kdcache")
+        return module.main(rest, prog=f"kdcache {name}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,9 @@
 """Ctrl-C and SIGTERM taken at safe points of the work loops (the trainer's epochs, the producer's batches)."""
 import signal
 
+from kdcache import signals
+from kdcache.signals import Stopped, exit_status, stop_word  # noqa: F401 (the loops' names for them)
+
 
 class Interrupts:
     """Ctrl-C (SIGINT) and SIGTERM during a work loop, raised where it is safe.
@@ -12,7 +15,8 @@ class Interrupts:
     a trainer was once seen hanging after a Ctrl-C; SIGTERM's default action ended a process
     mid-batch, skipping its clean close. While installed, the first signal is recorded and raised
     by check() as Stopped (a KeyboardInterrupt), at the loop's next step (the trainer also checks
-    while it waits for a batch); a second one is raised at once."""
+    while it waits for a batch); a second one is raised at once. In a command's process, which
+    defers signals from its first line (kdcache.signals), check() raises what that recorded."""
 
     def __init__(self, *, term=True):
         self.requested = None  # the signal received, once one is
@@ -20,6 +24,8 @@ class Interrupts:
         self._old = {}
 
     def install(self):
+        if signals.active():  # a command's process defers signals from its first line: check() raises them
+            return self
         # Only over the default handlers: a process started with a signal ignored keeps ignoring it.
         if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
             self._old[signal.SIGINT] = signal.signal(signal.SIGINT, self._handler)
@@ -35,29 +41,12 @@ class Interrupts:
     def check(self):
         if self.requested is not None:
             raise Stopped(self.requested)
+        signals.check()
 
     def restore(self):
         for sig, old in self._old.items():
             signal.signal(sig, old)
         self._old = {}
-
-
-class Stopped(KeyboardInterrupt):
-    """The stop a signal asked for (SIGINT: Ctrl-C, or SIGTERM), raised at a safe point."""
-
-    def __init__(self, signum=signal.SIGINT):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = int(signum)
-
-
-def exit_status(stop):
-    """128 + the signal's number, as a shell reports a process the signal ended (130 for Ctrl-C)."""
-    return 128 + getattr(stop, "signum", signal.SIGINT)
-
-
-def stop_word(stop):
-    """How a command says it stopped: 'interrupted' (Ctrl-C) or 'stopped by SIGTERM'."""
-    return "interrupted" if exit_status(stop) == 128 + signal.SIGINT else "stopped by SIGTERM"
 
 
 def raise_stopped(signum, frame):

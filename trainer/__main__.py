@@ -1,4 +1,7 @@
 """python -m trainer: train a student on cached soft targets (or inline KD, or hard labels)."""
+if __name__ == "__main__":  # first, before anything heavy is imported: signals at safe points only
+    from kdcache import signals as _signals
+    _signals.defer()
 import json
 import logging
 import os
@@ -57,6 +60,7 @@ def train_main(argv=None, prog="python -m trainer"):
     if not (args.kvstore or "").startswith("dist"):  # a distributed worker blocks in the kvstore: SIGTERM ends it
         from pipeline.interrupts import take_sigterm
         take_sigterm()
+    from kdcache import signals
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     logging.basicConfig(level=logging.INFO, format="[trainer %(asctime)s] %(message)s", datefmt="%H:%M:%S")
     from pipeline.checkpoint import TeacherError
@@ -67,6 +71,7 @@ def train_main(argv=None, prog="python -m trainer"):
     try:
         # The producer starts first, before this process loads its data or imports MXNet: its own
         # start-up (MXNet, data, teacher) overlaps ours. Into a cache it waits for the plan to name it.
+        signals.check()  # a stop during the start so far: before any process is started
         early = spawn_early(args, run_dir, split_threads(args, cores, None), cores)
         # The data, the teacher's identity and the cache's fingerprint, once; for data sets MXNet
         # decodes, after the threads are fixed.
@@ -82,6 +87,7 @@ def train_main(argv=None, prog="python -m trainer"):
             from trainer.train import resolve_ctx
             resolve_ctx(args.ctx)
         plan = plan or make_plan(args)
+        signals.check()  # before a held producer is sent on
         early.settle(args, plan)
         from trainer.train import run
         m, run_dir = run(args, plan, early, threads, cores)

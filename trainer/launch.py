@@ -11,6 +11,9 @@ authentication, so whoever reaches a server's or a worker's port can push into t
 or stop the job. ps-lite binds a server's and a worker's socket to DMLC_NODE_HOST, and without
 it to the first non-loopback interface it finds; the scheduler binds to DMLC_PS_ROOT_URI.
 """
+if __name__ == "__main__":  # first, before anything heavy is imported: signals at safe points only
+    from kdcache import signals as _signals
+    _signals.defer()
 import functools
 import ipaddress
 import os
@@ -20,8 +23,9 @@ import subprocess
 import sys
 import time
 
+from kdcache import signals
 from kdcache.args import Allowed, Int, Option, Parser, add_options, fail
-from pipeline.children import die_with_parent
+from pipeline.children import before_exec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -111,47 +115,56 @@ def main(argv=None, prog="python -m trainer.launch"):
     def spawn(role, cmd, extra=None):
         env = {**base, "DMLC_ROLE": role, **(extra or {})}
         proc = subprocess.Popen(cmd, env=env, cwd=os.getcwd(), start_new_session=False,
-                                preexec_fn=functools.partial(die_with_parent, os.getpid()))
+                                preexec_fn=functools.partial(before_exec, os.getpid()))
         procs.append((role, proc))
         return proc
 
-    # Importing MXNet with DMLC_ROLE=scheduler/server runs that role until the job ends.
-    ps = [sys.executable, "-c", "import mxnet"]
-    spawn("scheduler", ps)
-    for _ in range(args.servers):
-        spawn("server", ps)
+    # Importing MXNet with DMLC_ROLE=scheduler/server runs that role until the job ends, in C: such a
+    # process never runs Python again and holds nothing to save, so a signal ends it at once.
+    ps = [sys.executable, "-c", "from kdcache import signals; signals.plain(); import mxnet"]
     workers = []
-    for i in range(args.workers):
-        cmd = [sys.executable, "-m", "trainer", "--kvstore", args.kvstore, "--threads", str(threads), *rest]
-        # Without oneDNN (MKL-DNN): it keeps convolution weights in a layout of its own that MXNet 1.9's
-        # kvstore cannot send ("can't generate TBlob for MKLDNN data"), so a convolutional student failed
-        # at its first broadcast. Worker 0's producer inherits this (its teacher runs without oneDNN).
-        workers.append(spawn("worker", cmd, {"OMP_NUM_THREADS": str(threads), "MXNET_MKLDNN_ENABLED": "0",
-                                             "MXNET_STORAGE_FALLBACK_LOG_VERBOSE": "0"}))
-    print(f"[launch] scheduler on {args.host}:{port}, {args.servers} server(s), {args.workers} worker(s) "
-          f"({args.kvstore}, {threads} thread(s) each)", flush=True)
 
     def stop_all(sig=signal.SIGTERM):
-        for _, pr in procs:
-            if pr.poll() is None:
+        """The workers first (each stops at a safe point), then the scheduler and the servers they
+        talk to; one that has not left after 10 s is killed."""
+        for group, how in (([pr for r, pr in procs if r == "worker"], sig),
+                           ([pr for r, pr in procs if r != "worker"], signal.SIGTERM)):
+            for pr in group:
+                if pr.poll() is None:
+                    try:
+                        pr.send_signal(how)
+                    except ProcessLookupError:
+                        pass
+            deadline = time.monotonic() + 10
+            for pr in group:
                 try:
-                    pr.send_signal(sig)
-                except ProcessLookupError:
-                    pass
-        deadline = time.monotonic() + 10
-        for _, pr in procs:
-            try:
-                pr.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pr.kill()
-                pr.wait()
+                    pr.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pr.kill()
+                    pr.wait()
 
     try:
+        signals.check()  # a stop during the start so far: no process is started
+        spawn("scheduler", ps)
+        for _ in range(args.servers):
+            signals.check()
+            spawn("server", ps)
+        for i in range(args.workers):
+            signals.check()
+            cmd = [sys.executable, "-m", "trainer", "--kvstore", args.kvstore, "--threads", str(threads), *rest]
+            # Without oneDNN (MKL-DNN): it keeps convolution weights in a layout of its own that MXNet 1.9's
+            # kvstore cannot send ("can't generate TBlob for MKLDNN data"), so a convolutional student failed
+            # at its first broadcast. Worker 0's producer inherits this (its teacher runs without oneDNN).
+            workers.append(spawn("worker", cmd, {"OMP_NUM_THREADS": str(threads), "MXNET_MKLDNN_ENABLED": "0",
+                                                 "MXNET_STORAGE_FALLBACK_LOG_VERBOSE": "0"}))
+        print(f"[launch] scheduler on {args.host}:{port}, {args.servers} server(s), {args.workers} worker(s) "
+              f"({args.kvstore}, {threads} thread(s) each)", flush=True)
         while True:
             codes = [w.poll() for w in workers]
             failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
             dead_ps = [(r, pr.returncode) for r, pr in procs if r != "worker" and pr.poll() not in (None, 0)]
             if failed or dead_ps:
+                signals.check()  # a Ctrl-C that reached every process (they left because of it) is a stop
                 # by pid: the kvstore ranks workers in the order they join, not the order they were started
                 what = ", ".join([f"the worker with pid {workers[i].pid} exited with status {c}" for i, c in failed] +
                                  [f"{r} exited with status {c}" for r, c in dead_ps])
@@ -162,11 +175,11 @@ def main(argv=None, prog="python -m trainer.launch"):
                 return 2
             if all(c == 0 for c in codes):
                 break
-            time.sleep(0.2)
-    except KeyboardInterrupt:
+            signals.sleep(0.2)
+    except KeyboardInterrupt as e:
         stop_all(signal.SIGINT)
-        print("interrupted: every process was stopped", file=sys.stderr)
-        return 130
+        print(f"{signals.stop_word(e)}: every process was stopped", file=sys.stderr)
+        return signals.exit_status(e)
     stop_all()
     print(f"[launch] {args.workers} worker(s) finished", flush=True)
     return 0

@@ -4,12 +4,16 @@
 on: teachers/digits-symbol.json / -0000.params for digits, teachers/mnist5k-* for mnist5k. Each data
 set has its recipe (network, epochs, augmentation: RECIPES); the options override it.
 """
+if __name__ == "__main__":  # first, before anything heavy is imported: signals at safe points only
+    from kdcache import signals as _signals
+    _signals.defer()
 import json
 import logging
 import os
 import sys
 import time
 
+from kdcache import signals
 from kdcache.args import Float, Int, Option, Parser, add_options, fail
 from pipeline.options import SHARED_BY_DEST, AugmentSpec
 from trainer.options import Student, zoo_names
@@ -58,6 +62,7 @@ def train_teacher(dataset, test, *, arch="digits_teacher", epochs=40, batch_size
     for epoch in tqdm(range(epochs), desc="teacher training", unit="epoch", disable=not progress):
         perm = rng.permutation(n)
         for a in range(0, n, batch_size):
+            signals.check()  # Ctrl-C and SIGTERM stop here, between steps (a no-op unless deferred)
             if schedule == "cosine":
                 trainer.set_learning_rate(lr * 0.5 * (1.0 + math.cos(math.pi * step / total)))
             idx = perm[a:a + batch_size]
@@ -159,20 +164,25 @@ def main(argv=None, prog="python -m trainer.make_teacher"):
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
     os.environ.setdefault("MXNET_SUBGRAPH_VERBOSE", "0")
     logging.basicConfig(level=logging.INFO, format="[teacher %(asctime)s] %(message)s", datefmt="%H:%M:%S")
-    from pipeline.datasets import DatasetError, load_dataset
     try:
-        train = load_dataset(args.dataset, data_root=args.data_root, split="train")
-        test = load_dataset(args.dataset, data_root=args.data_root, split="test")
-    except DatasetError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    t0 = time.perf_counter()
-    try:
-        net, acc = train_teacher(train, test, arch=args.arch, epochs=args.epochs, lr=args.lr, seed=args.seed,
-                                 augment=args.augment, schedule=args.schedule, progress=not args.quiet)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        from pipeline.datasets import DatasetError, load_dataset
+        try:
+            train = load_dataset(args.dataset, data_root=args.data_root, split="train")
+            test = load_dataset(args.dataset, data_root=args.data_root, split="test")
+        except DatasetError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        t0 = time.perf_counter()
+        try:
+            net, acc = train_teacher(train, test, arch=args.arch, epochs=args.epochs, lr=args.lr, seed=args.seed,
+                                     augment=args.augment, schedule=args.schedule, progress=not args.quiet)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        signals.check()  # the last stop before the export
+    except KeyboardInterrupt as e:
+        print(f"{signals.stop_word(e)}: no teacher was written; run the same command again", file=sys.stderr)
+        return signals.exit_status(e)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     # Export under a temporary prefix, then rename: a half-written teacher is never picked up.
     tmp = f"{args.out}.tmp{os.getpid()}"

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 
-from pipeline.children import die_with_parent
+from pipeline.children import before_exec
 from pipeline.options import shared_argv
 
 log = logging.getLogger("kdcache.trainer")
@@ -83,7 +83,7 @@ def start_producer(cmd, log_path, stdin=None):
     fh = open(log_path, "ab")
     log.info("starting producer: %s (log: %s)", " ".join(cmd[1:]), log_path)
     proc = subprocess.Popen(cmd, stdin=stdin, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=os.getcwd(),
-                            preexec_fn=functools.partial(die_with_parent, os.getpid()))
+                            preexec_fn=functools.partial(before_exec, os.getpid()))
     fh.close()
     return proc
 

@@ -3,6 +3,7 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 import subprocess
 import time
 
@@ -13,6 +14,7 @@ from tqdm import tqdm
 
 from pipeline.cachespec import build_spec
 from pipeline.datasets import load_dataset
+from kdcache import signals
 from pipeline.interrupts import Interrupts
 from pipeline.schedule import EpochDigests, schedule, steps_per_epoch
 from pipeline.teacher import check_fits, load_teacher
@@ -106,7 +108,7 @@ def open_reader(args, plan, producer, rank, producer_log):
                                  f"{failure} (see {producer_log})") from None
             if time.monotonic() > deadline:
                 raise TrainError(f"the producer made no cache within 120 s (see {producer_log})") from None
-            time.sleep(0.05)
+            signals.sleep(0.05)
 
 
 KVSTORES = []
@@ -120,6 +122,8 @@ def run(args, plan, early, threads, cores):
     kv, rank, workers = None, 0, 1
     if args.kvstore:
         try:
+            if "dist" in args.kvstore:  # it blocks in the kvstore, where Python never runs: SIGTERM ends it
+                signals.release(signal.SIGTERM)
             kv = mx.kv.create(args.kvstore)
         except Exception as e:
             raise TrainError(f"--kvstore {args.kvstore}: {str(e).strip().splitlines()[-1][:200]}; for dist_* start "
@@ -302,7 +306,8 @@ def run(args, plan, early, threads, cores):
         test_producer = start_producer(producer_command(args, plan, split="test", online=False, threads=cores),
                                        os.path.join(run_dir, "producer-test.log"))
         try:
-            test_producer.wait(timeout=300)
+            with signals.interruptible():
+                test_producer.wait(timeout=300)
         except subprocess.TimeoutExpired:
             stop_producer(test_producer)
         teacher_acc = teacher_accuracy(tbase, tspec, test)

@@ -6,6 +6,7 @@ import weakref
 
 import numpy as np
 
+from kdcache.signals import sleep as wait  # a command's Ctrl-C ends a wait for the other side at once
 from ..codec import make_codec
 from ..errors import CacheNotFoundError, FingerprintMismatchError, StoreError, WriterBusyError
 from .layout import (_HEADER, CONSUMER, DEFAULT_CAPACITY, DEFAULT_CODEC, DEFAULT_DTYPE, FINISHED,
@@ -110,7 +111,7 @@ class _Ring:
                     f"no ring named {self.name} appeared within {self.timeout:g} s: start the side that "
                     f"creates it (create=True) first, pass its .name to this side, or raise timeout= "
                     f"(a ring takes one producer and one consumer: its name goes once both hold it)")
-            time.sleep(0.01)
+            wait(0.01)
         try:
             self._check(capacity, num_classes, codec, dtype, fingerprint)
             self._claim()
@@ -332,6 +333,6 @@ class _Waiter:
 
     def sleep(self):
         t = time.monotonic()
-        time.sleep(self.delay)
+        wait(self.delay)
         self.waited += time.monotonic() - t
         self.delay = min(self.delay * 2, _MAX_SLEEP)

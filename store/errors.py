@@ -52,3 +52,12 @@ class MissingTargetsError(StoreError, TimeoutError):
 
 class ConsumerGoneError(StoreError):
     """The ring buffer's reader died or left; a writer would block forever."""
+
+
+class NoSpaceError(StoreError):
+    """The file system has no room for what must be written (ENOSPC, EDQUOT); nothing written
+    before is lost."""
+
+
+class CacheChangedError(StoreError):
+    """A cache file changed under an open reader: it shrank (truncated) or was replaced."""

@@ -10,15 +10,24 @@ Where its rows come from (`source`):
 * "disk" -- otherwise rows are read per batch with sorted, de-duplicated selections (h5py needs
   increasing indices).
 When the producers finish, a reader that followed them switches to the map (freeing its RAM).
+
+NOTE [threads]
+One reader may serve many threads (a DataLoader with thread_pool=True, a user's own threads). h5py
+objects are not safe to open, refresh and read from several threads at once, and refresh() swaps a
+reader's source under the others (segments closed, the map opened). So everything that touches
+h5py or changes the reader's state runs under one lock (`_lock`); a gather from numpy tables (RAM
+or the map) does not take it: those arrays are only ever replaced whole, never changed in place
+under a reader, except rows not marked done yet, which no reader gathers.
 """
 import logging
 import os
+import threading
 import time
 
 import numpy as np
 
 from . import schema
-from .errors import (CacheNotFoundError, DamagedRowsError, FingerprintMismatchError,
+from .errors import (CacheNotFoundError, DamagedRowsError, FingerprintMismatchError, NoSpaceError,
                      MissingTargetsError, ProducerGoneError)
 from .demand import publish, withdraw
 from .housekeeping import final_spec, parts_spec, settle
@@ -82,7 +91,12 @@ class CacheReader:
         self._tables = None
         self._demanding = False  # this process has published demand files (removed on close)
         self.waits = 0  # times get() waited for targets not written yet
-        settle(self.base)  # a crash may have left every key committed and the compaction undone
+        self._lock = threading.RLock()  # NOTE [threads]
+        self._map = None  # the mapped file (store.mapped.FileMap), checked before each batch read from it
+        try:
+            settle(self.base)  # a crash may have left every key committed and the compaction undone
+        except NoSpaceError as e:  # the segments hold every row: read them; compaction is retried later
+            log.warning("%s", e)
         name = os.path.basename(self.base)
         if os.path.exists(self.final):
             self.spec, meta = final_spec(self.final, name)
@@ -147,12 +161,13 @@ class CacheReader:
         nk = self.spec.num_keys
         if self.use_mmap:
             try:
-                tables = map_fields(f, self.final, self.codec.fields, nk)
+                tables, fmap = map_fields(f, self.final, self.codec.fields, nk)
             except MapUnavailable as e:
                 log.warning("%s: not memory-mapped, %s; reading it %s instead", self.final, e,
                             "into RAM" if self.in_ram else "from disk per batch")
             else:
                 f.close()
+                self._map = fmap
                 self._tables, self.source, self.in_ram = tables, "map", False
                 self._done[:] = True
                 self._set_complete()
@@ -160,12 +175,13 @@ class CacheReader:
         if self.in_ram and self._done.all() and self._tables is not None:
             f.close()  # every row is already in RAM, taken in from the segments
         elif self.in_ram:
-            self._tables = {}
+            tables = {}  # filled, then put in place whole: other threads gather from it without the lock
             for name, shape, dtype in self.codec.fields:
                 d = f[name]
                 t = np.empty((nk,) + tuple(shape), dtype=self._ram_dtype.get(name, dtype))
                 d.read_direct(t.reshape(d.shape))  # converts while reading when widened
-                self._tables[name] = t
+                tables[name] = t
+            self._tables = tables
             f.close()
         else:
             self._file = f
@@ -177,6 +193,11 @@ class CacheReader:
         """Take in every row producers have committed since the last call. Cheap when nothing changed."""
         if self.complete:
             return
+        with self._lock:  # NOTE [threads]
+            if not self.complete:
+                self._refresh()
+
+    def _refresh(self):
         if os.path.exists(self.final):
             self._open_final()  # the map, when it can be had: one copy for every reader
             return
@@ -186,7 +207,7 @@ class CacheReader:
                     self._segs[p] = _Segment(p, self.spec)
                 except Exception:
                     if os.path.exists(self.final):  # compacted under us
-                        return self.refresh()
+                        return self._refresh()
                     raise
                 if not self.in_ram:
                     self._seg_list.append(self._segs[p])
@@ -274,7 +295,9 @@ class CacheReader:
         Missing targets are waited for (wait=True) up to `timeout` seconds, or reported at once
         with MissingTargetsError(missing=flat keys) (wait=False).
         """
-        hot = self._hot
+        hot, fmap = self._hot, self._map
+        if fmap is not None:
+            fmap.check()  # a file truncated under the map is an error here, not a SIGBUS in the gather
         if hot is not None and self.spec.views == 1 and type(views) is int and views == 0:
             # The hot path (complete cache, raw logits in RAM or mapped, one view): one gather.
             idx = np.asarray(indices, dtype=np.int64)
@@ -313,7 +336,8 @@ class CacheReader:
         delay, next_check = 0.0005, t0 + 0.2
         self._demanding = True  # producers serve what a reader waits for first
         self.waits += 1
-        publish(self.parts, "wait", keys[~self._done[keys]])
+        with self._lock:  # one demand file per process: threads take turns replacing it
+            publish(self.parts, "wait", keys[~self._done[keys]])
         try:
             while True:
                 time.sleep(delay)
@@ -342,10 +366,18 @@ class CacheReader:
             self.stall_s += time.monotonic() - t0
 
     def _gather(self, keys):
-        if self._tables is not None:
-            return {name: t[keys] for name, t in self._tables.items()}
+        tables = self._tables
+        if tables is not None:  # numpy (RAM or the map; get() checked the map): no lock, NOTE [threads]
+            return {name: t[keys] for name, t in tables.items()}
+        with self._lock:  # h5py
+            if self._tables is not None:  # another thread switched the source while this one waited
+                return self._gather(keys)
+            return self._read(keys)
+
+    def _read(self, keys):
+        """Rows from the finished file or the segments, per batch (the "disk" source)."""
         out = {name: np.empty((keys.size,) + tuple(s), dtype=d) for name, s, d in self.codec.fields}
-        if self.complete:
+        if self._file is not None:  # not `complete`: every key may be committed before the file exists
             nv = self.spec.views
             for view in np.unique(keys % nv):
                 sel = np.flatnonzero(keys % nv == view)
@@ -365,6 +397,10 @@ class CacheReader:
         return out
 
     def close(self):
+        with self._lock:
+            self._close()
+
+    def _close(self):
         for s in self._segs.values():
             try:
                 s.file.close()
@@ -374,7 +410,7 @@ class CacheReader:
         if self._file is not None:
             self._file.close()
             self._file = None
-        self._tables = self._hot = None  # a mapping closes with the last array over it
+        self._tables = self._hot = self._map = None  # a mapping closes with the last array over it
         if self._demanding:
             withdraw(self.parts)
             self._demanding = False

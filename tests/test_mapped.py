@@ -190,3 +190,48 @@ def test_files_that_cannot_be_mapped_are_read_the_old_way_and_say_why(cache_dir,
     with CacheReader(p2) as r:
         assert r.source == "ram" and r.get([49]).shape == (1, 10)
     assert "refused to map" in caplog.text
+
+
+# Reads from a mapped cache in its own process (a SIGBUS would kill it): batch 0, then "opened"; after
+# a line on stdin, the last samples' rows; a StoreError is printed and is exit status 3.
+TRUNCATED_READER = """
+import sys
+import numpy as np
+from store import CacheReader, StoreError
+from tests.helpers import make_spec
+n, c, views, codec = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+r = CacheReader(sys.argv[1], spec=make_spec(num_samples=n, num_classes=c, views=views, codec=codec, dtype="float32"))
+assert r.source == "map"
+r.get(np.arange(10), 0)
+print("opened", flush=True)
+sys.stdin.readline()
+try:
+    r.get(np.arange(n - 10, n), views - 1)
+except StoreError as e:
+    print(type(e).__name__, e, flush=True)
+    sys.exit(3)
+print("read", flush=True)
+"""
+
+
+@pytest.mark.parametrize("codec,views", [("full", 1), ("full", 2), ("topk:3", 1)])
+def test_a_file_truncated_under_the_map_is_an_error_not_a_sigbus(cache_dir, codec, views):
+    import subprocess
+    import sys
+
+    from tests.helpers import CHILD_ENV, ROOT
+    n, c = 4000, 50
+    spec = make_spec(num_samples=n, num_classes=c, views=views, codec=codec, dtype="float32")
+    p = path_for(cache_dir, spec.fingerprint)
+    assert produce(p, spec, batch=1000)
+    fin = final_path(p)
+    size = os.path.getsize(fin)
+    child = subprocess.Popen([sys.executable, "-c", TRUNCATED_READER, p, str(n), str(c), str(views), codec], cwd=ROOT,
+                             env=CHILD_ENV, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+    assert child.stdout.readline().strip() == "opened", child.communicate()
+    os.truncate(fin, size // 4)  # in place: the reader's mapping now reaches past the file's end
+    out, err = child.communicate("go\n", timeout=60)
+    assert child.returncode == 3, f"exit {child.returncode} (-7 is SIGBUS): {out} {err[-2000:]}"
+    assert out.strip() == (f"CacheChangedError the cache file {fin} shrank from {size:,} to {size // 4:,} bytes while being read: it "
+                           f"was replaced or truncated; reopen it, or check it with `kdcache verify {fin}`")

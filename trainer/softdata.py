@@ -9,10 +9,13 @@ Worker processes: the DataLoader forks its workers once and keeps them, so the e
 shared memory (set_epoch reaches workers already running), and each process opens the store for
 itself on first use, after the fork: a finished cache is then mapped once for all of them (its
 pages shared), and a cache still being written is followed as the producer commits rows.
+Threads (a DataLoader with thread_pool=True) share their process's reader, which is safe for them
+(store.reader's NOTE [threads]).
 """
 import ctypes
 import multiprocessing
 import os
+import threading
 import warnings
 
 import numpy as np
@@ -24,6 +27,17 @@ from store import CacheReader, StoreError
 # Values in shared memory, so that worker processes forked before a change see it: the epoch, and whether an
 # order was (or will be) announced.
 SHARED = {"_epoch": ctypes.c_int64, "_announced": ctypes.c_bool}
+# Threads of one process open its reader once. A module's lock, not a data set's: it must not be pickled
+# into worker processes, and it is made anew in a forked child (a thread may have held it at the fork).
+_opening = threading.Lock()
+
+
+def _fresh_lock():
+    global _opening
+    _opening = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_fresh_lock)
 
 
 class SoftTargetDataset(gluon.data.Dataset):
@@ -91,11 +105,15 @@ class SoftTargetDataset(gluon.data.Dataset):
 
     # -- items ----------------------------------------------------------------------------------
     def reader(self):
-        """This process's CacheReader, opened after a fork on first use."""
-        if self._reader is None or self._pid != os.getpid():
-            self._reader = CacheReader(self._path, fingerprint=self._fp, **self._options)
-            self._pid = os.getpid()
-        return self._reader
+        """This process's CacheReader, opened after a fork on first use; shared by its threads."""
+        reader = self._reader
+        if reader is not None and self._pid == os.getpid():
+            return reader
+        with _opening:
+            if self._reader is None or self._pid != os.getpid():
+                self._reader = CacheReader(self._path, fingerprint=self._fp, **self._options)
+                self._pid = os.getpid()
+            return self._reader
 
     def __len__(self):
         return len(self.dataset)

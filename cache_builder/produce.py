@@ -13,12 +13,19 @@ import numpy as np
 from tqdm import tqdm
 
 from pipeline.augment import make_views
+from pipeline.checkpoint import TeacherError
+from pipeline.teacher import NonFiniteOutputError
 from pipeline.interrupts import Interrupts
 from pipeline.schedule import schedule, steps_per_epoch
 from store import registry
 from store.demand import Demand
+from store.schema import name_keys
 
 log = logging.getLogger("kdcache.producer")
+
+
+class NonFiniteInputError(ValueError):
+    """A batch's input images hold NaN or Inf: the data set or the augmentation made them."""
 
 
 @dataclasses.dataclass
@@ -35,9 +42,41 @@ class Stats:
 
 
 def teacher_rows(teacher, dataset, indices, views, *, seed, augment):
-    """Logits [B, C] of keys (indices, views): the same inputs the student will see."""
+    """Logits [B, C] of keys (indices, views): the same inputs the student will see.
+
+    Every producer (offline, shards, online, ring) gets its rows here, so here a batch with a
+    non-finite input image or teacher output is refused, naming its keys, before any of it is
+    written. Images are checked too: NaN images can come out of some teachers as finite rows, all
+    the same (a pooling or batch-norm layer), which the cache would then hold for every key.
+    """
     x, _ = make_views(dataset, indices, views, seed=seed, augment=augment)
-    return teacher.forward(x)
+    indices = np.asarray(indices)
+    views = np.broadcast_to(np.asarray(views, dtype=np.int64), np.shape(indices))
+    bad = ~np.isfinite(np.reshape(x, (len(x), -1))).all(axis=1)
+    if bad.any():
+        first = int(np.flatnonzero(bad)[0])
+        raw, _ = dataset.get_batch(indices[first:first + 1])
+        source = (f"the data set {dataset.name} holds them" if not np.isfinite(raw).all()
+                  else f"the augmentation {augment.spec} makes them from finite images")
+        raise NonFiniteInputError(
+            f"{int(bad.sum())} of {bad.size} input images of a batch hold NaN or Inf "
+            f"({name_keys(indices[bad], views[bad])}): {source}; fix it: no teacher gives sound targets for "
+            f"them; nothing of this batch was cached (rows cached before are kept)")
+    try:
+        out = teacher.forward(x)
+    except NonFiniteOutputError as e:
+        out = None
+        bad = np.zeros(len(x), dtype=bool)
+        bad[e.rows] = True
+    if out is not None:  # any object with forward(x) may be the teacher here, not only pipeline.teacher's
+        bad = ~np.isfinite(np.reshape(out, (len(x), -1))).all(axis=1)
+    if bad.any():
+        raise TeacherError(
+            f"the teacher returned NaN or Inf for {int(bad.sum())} of {bad.size} samples of a batch "
+            f"({name_keys(indices[bad], views[bad])}; their input images are finite): its weights or its "
+            f"preprocessing (--teacher-mean/--teacher-std) are broken; nothing of this batch was cached "
+            f"(rows cached before are kept)")
+    return out
 
 
 def produce_offline(teacher, dataset, writer, *, seed, augment, batch_size, progress=True, demand=True):

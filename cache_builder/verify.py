@@ -23,8 +23,9 @@ Check a cache against its teacher: first the store's checks (as kdcache verify P
 input rebuilt from what the cache records: the data set, the augmentation and its seed, the
 teacher's preprocessing. Reports the largest |stored - teacher| logit difference and the top-1
 agreement. The teacher's files must be the ones the cache was built from (their SHA-256).
-Exit 0: sound and every key within the codec's tolerance; 1: not; 2: a mistake (another teacher,
-data set files missing or different, bad options)."""
+Exit 0: sound and every key within the codec's tolerance; 1: not, or suspect (every row the same:
+the teacher saw alike inputs, e.g. NaN images); 2: a mistake (another teacher, data set files
+missing or different, bad options)."""
 
 DEFAULT_SAMPLE = 256
 SHOWN = 10  # keys beyond tolerance listed by name
@@ -91,7 +92,8 @@ def main(argv=None, prog="kdcache verify"):
     except KeyboardInterrupt:
         print("interrupted: nothing was changed", file=sys.stderr)
         return 130
-    ok = report["sound"] and report["teacher_check"] is not None and report["teacher_check"]["match"]
+    ok = report["sound"] and not report["suspect"] and report["teacher_check"] is not None and \
+        report["teacher_check"]["match"]
     if args.json:
         print(json.dumps(report, indent=1, default=str))
     else:
@@ -109,10 +111,9 @@ def check(args):
     report.update(sound=not problems, problems=problems, teacher_check=None)
     if problems:
         return report
-    import h5py
-
     from store import CacheSpec
-    with h5py.File(registry.final_path(base), "r") as f:  # sound: a finished file of a known format version
+    from store.segment import open_final
+    with open_final(registry.final_path(base)) as f:  # sound: a finished file of a known format version
         spec = CacheSpec.from_meta(dict(f.attrs))
         topt = recorded_teacher(args, spec.inputs.get("teacher"), report["path"])
         dataset, augment, seed = recorded_inputs(args, spec.inputs)
@@ -297,8 +298,9 @@ def compare(args, f, spec, topt, dataset, augment, seed):
 
 
 def print_report(report):
-    print(f"{report['path']}: {'sound' if report['sound'] else 'NOT sound'}")
-    for p in report["problems"]:
+    from store.verify import verdict
+    print(f"{report['path']}: {verdict(report)}")
+    for p in report["problems"] + report["suspect"]:
         print(f"  - {p}")
     t = report["teacher_check"]
     if t is None:
@@ -317,7 +319,9 @@ def print_report(report):
               f"top-1 stored {b['stored_top1']}, teacher {b['teacher_top1']}")
     if t["keys_beyond_tolerance"] > len(t["beyond"]):
         print(f"    ... and {t['keys_beyond_tolerance'] - len(t['beyond'])} more (--json lists the first {SHOWN})")
-    if t["match"]:
+    if t["match"] and report["suspect"]:  # the teacher gives the same rows for the same (NaN, blank) inputs
+        print(f"{report['path']}: matches its teacher, but is suspect: every row is the same (see above)")
+    elif t["match"]:
         print(f"{report['path']}: matches its teacher")
     else:
         print(f"{report['path']}: does NOT match its teacher: {t['keys_beyond_tolerance']} of {t['keys_checked']} "

@@ -11,6 +11,16 @@ import numpy as np
 from .checkpoint import TeacherError, checkpoint_files
 
 
+class NonFiniteOutputError(TeacherError):
+    """The teacher gave NaN or Inf for some rows of a batch (`rows`, their positions in it): the
+    producer names their keys; no sound teacher gives these, so nothing of the batch is cached."""
+
+    def __init__(self, rows, batch):
+        self.rows = rows
+        super().__init__(f"the teacher returned NaN or Inf for {len(rows)} of {batch} samples: its weights or its "
+                         f"preprocessing (--teacher-mean/--teacher-std) are broken; nothing was cached")
+
+
 class Teacher:
     """A frozen MXNet model run forward only on the CPU, returning raw logits [B, classes].
 
@@ -125,10 +135,9 @@ class Teacher:
                                f"classifier whose last layer gives the logits")
         if self.num_classes is None:
             self.num_classes = out.shape[1]
-        if not np.isfinite(out).all():
-            bad = int((~np.isfinite(out).all(axis=1)).sum())
-            raise TeacherError(f"the teacher returned NaN or Inf for {bad} of {out.shape[0]} samples: its weights "
-                               f"or its preprocessing (--teacher-mean/--teacher-std) are broken; nothing was cached")
+        bad = ~np.isfinite(out).all(axis=1)
+        if bad.any():
+            raise NonFiniteOutputError(np.flatnonzero(bad), out.shape[0])
         return out
 
     def probe(self, x):

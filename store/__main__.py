@@ -98,10 +98,12 @@ def cmd_verify(args):
     if args.json:
         print(json.dumps(report, indent=1, default=str))
     else:
-        print(f"{report['path']}: {'sound' if not problems else 'NOT sound'}")
-        for p in problems:
+        from .verify import verdict
+        print(f"{report['path']}: {verdict(report)}")
+        for p in problems + report["suspect"]:
             print(f"  - {p}")
-    return 0 if not problems else 1
+    # suspect: well formed, but its rows cannot be a teacher's targets for real inputs
+    return 0 if not problems and not report["suspect"] else 1
 
 
 def cmd_gc(args):

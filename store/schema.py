@@ -98,6 +98,14 @@ def flat_keys(indices, views, num_samples, num_views, *, check_upper=True):
     return keys
 
 
+def name_keys(indices, views, limit=3):
+    """Keys as a user reads them, in one line: 'sample 12 view 0, sample 40 view 1 and 5 more'."""
+    idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+    vs = np.broadcast_to(np.asarray(views, dtype=np.int64), idx.shape)
+    shown = ", ".join(f"sample {int(i)} view {int(v)}" for i, v in zip(idx[:limit], vs[:limit]))
+    return shown + (f" and {idx.size - limit} more" if idx.size > limit else "")
+
+
 def index_error(idx, num_samples):
     bad = idx[(idx < 0) | (idx >= num_samples)][:5]
     return BadInputError(f"sample indices {bad.tolist()} out of range [0, {num_samples}): this cache is for a "

@@ -23,7 +23,7 @@ from .errors import (BadInputError, FingerprintMismatchError, StoreError, Unsupp
 from .fingerprint import is_fingerprint
 from .osutil import NotOurs, fs_error, open_regular, own, stderr_silenced
 from .housekeeping import final_spec, settle
-from .paths import base_path, final_path, parts_path
+from .paths import base_path, final_path, foreign_files, parts_path
 from .segment import (HOST, create_segment, quiet_h5py_dealloc_errors, read_manifest,
                       scan_done, write_json_atomic)
 
@@ -119,6 +119,10 @@ class CacheWriter:
             raise StoreError(f"{self.parts} is {what}, not a folder of this user's kdcache: pass another "
                              f"--cache-dir, or move it away")
         manifest = read_manifest(self.parts)
+        other = foreign_files(self.parts) if manifest is None else None
+        if other:
+            raise StoreError(f"{self.parts} holds files kdcache did not write ({', '.join(other[:3])}) and no "
+                             f"manifest: it is not a cache in progress; move it away, or pass another --cache-dir")
         if manifest is None:
             try:
                 write_json_atomic(os.path.join(self.parts, schema.MANIFEST), self.spec.meta())
@@ -238,10 +242,12 @@ class CacheWriter:
             raise BadInputError(f"logits have dtype {logits.dtype}: pass the teacher's floating point output")
         finite = np.isfinite(logits).all(axis=1)
         if not finite.all():
-            bad = keys[~finite][:5].tolist()
-            raise BadInputError(f"{int((~finite).sum())} teacher output row(s) hold NaN or Inf (flat keys "
-                                f"{bad}): the teacher's weights or input preprocessing are broken; nothing "
-                                f"of this batch was written")
+            bad = keys[~finite]
+            v = self.spec.views
+            raise BadInputError(f"{bad.size} teacher output row(s) hold NaN or Inf "
+                                f"({schema.name_keys(bad // v, bad % v)}): no sound teacher writes these: check "
+                                f"its weights, its input preprocessing and its input images; nothing of this "
+                                f"batch was written (rows written before stay)")
         if self.complete:
             self.rows_skipped += keys.size
             return 0

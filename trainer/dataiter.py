@@ -19,6 +19,7 @@ import numpy as np
 from pipeline.augment import Augment, make_views
 from pipeline.schedule import epoch_batches, view_of_epoch
 from store.schema import index_error
+from trainer.loss import check_targets
 
 log = logging.getLogger("kdcache.trainer")
 
@@ -104,6 +105,7 @@ class SoftTargetIter(mx.io.DataIter):
         view = view_of_epoch(self.epoch, self.views)
         x, y = make_views(self.dataset, idx, view, seed=self.seed, augment=self.augment)
         t = self.targets.get(idx, view)
+        check_targets(t, idx, view, cache=getattr(self.targets, "base", None))
         return mx.io.DataBatch(data=[mx.nd.array(x)], label=[mx.nd.array(y.astype(np.float32)), mx.nd.array(t)],
                                pad=pad, index=idx, provide_data=self.provide_data,
                                provide_label=self.provide_label)
@@ -135,6 +137,7 @@ class SoftTargetIter(mx.io.DataIter):
         if n is not None and index.size and (index.min() < 0 or index.max() >= n):
             raise index_error(index, n)
         t = self.targets.get(index, view_of_epoch(self.epoch, self.views))
+        check_targets(t, index, view_of_epoch(self.epoch, self.views), cache=getattr(self.targets, "base", None))
         if self.augments is None:
             self._probe(b.data[0], index, b.pad or 0)
         ctx = b.data[0].context

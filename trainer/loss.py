@@ -2,8 +2,88 @@
 
 Targets are the teacher's raw logits (temperature 1, as cached), so one cache serves every
 temperature. GluonCV's DistillationSoftmaxCrossEntropyLoss uses T=20 and hard weight 0.5.
+
+NOTE (non-finite losses): one NaN target makes its batch's loss NaN, and the first optimiser
+step with it spreads NaN through every weight: the run goes on at loss nan and ends with a
+useless student. KDLoss cannot check its own output (it runs inside a hybridized graph, and a
+check there would wait for the device at every step), so `check_finite` is the check: call it
+where the loop reads the loss anyway, before the optimiser step. The trainer's loop does.
 """
+import numpy as np
 from mxnet import gluon
+
+from store.schema import name_keys
+
+
+class NonFiniteError(ValueError):
+    """Teacher targets or a loss hold NaN or Inf; the message names the keys and the likely cause."""
+
+
+class NonFiniteLossError(NonFiniteError):
+    """A loss is NaN or Inf; the message names the step, the keys and the likely cause."""
+
+
+def check_targets(targets, indices, views, *, cache=None):
+    """Raise NonFiniteError naming the keys whose teacher targets [B, C] hold NaN or Inf: a reader
+    serves what the file holds, and no teacher writes these (it is checked at write time)."""
+    ok = _rows(targets)
+    if not ok.all():
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        vs = np.broadcast_to(np.asarray(views, dtype=np.int64), idx.shape)
+        raise NonFiniteError(f"the teacher targets of {name_keys(idx[~ok], vs[~ok])} hold NaN or Inf: the cache "
+                             f"is damaged; run `kdcache verify {cache or 'PATH'}`, then remove it and rebuild")
+
+
+def _numpy(a):
+    return a.asnumpy() if hasattr(a, "asnumpy") else np.asarray(a)
+
+
+def _rows(a):
+    """Per sample: all values finite. `a`: [B, ...] (an NDArray, an array, or a list of them, one per device)."""
+    if isinstance(a, (list, tuple)):
+        return np.concatenate([_rows(x) for x in a]) if a else np.ones(0, dtype=bool)
+    x = _numpy(a)
+    return np.isfinite(x.reshape(len(x), -1)).all(axis=1) if x.ndim else np.isfinite(x).reshape(1)
+
+
+def check_finite(loss, *, keys=None, targets=None, inputs=None, where="", cache=None):
+    """The loss summed, as a float; NonFiniteLossError (one line) when it is NaN or Inf.
+
+    loss: KDLoss's output (an NDArray or array of per-sample losses, or a list of them, one per
+    device). keys: the batch's samples, as sample indices or (sample indices, views). targets and
+    inputs, the batch's teacher logits and images (optional; targets=() for a loss without a
+    teacher): rows of them that are not finite are named as the cause. where: the step, as the
+    message should name it ("epoch 2 batch 17"); cache: the cache's path, for the `kdcache verify`
+    the message proposes.
+    """
+    parts = loss if isinstance(loss, (list, tuple)) else [loss]
+    total = float(sum(float(_numpy(x).sum()) for x in parts))
+    if np.isfinite(total):
+        return total
+    idx, views = (keys if isinstance(keys, tuple) else (keys, 0)) if keys is not None else (None, 0)
+    if idx is not None:
+        idx = np.asarray(idx, dtype=np.int64).reshape(-1)
+        views = np.broadcast_to(np.asarray(views, dtype=np.int64), idx.shape)
+
+    def named(ok):
+        if idx is None or ok.size != idx.size:
+            return f"{int((~ok).sum())} of {ok.size} samples"
+        return name_keys(idx[~ok], views[~ok])
+    head = f"{where + ': ' if where else ''}the loss is {total}"
+    if targets is not None and not (ok := _rows(targets)).all():
+        fix = f"run `kdcache verify {cache}`" if cache else "run `kdcache verify PATH` on the cache"
+        raise NonFiniteLossError(f"{head}: the teacher targets of {named(ok)} hold NaN or Inf: the cache is "
+                                 f"damaged (no teacher writes these); {fix}, then remove it and rebuild")
+    if inputs is not None and not (ok := _rows(inputs)).all():
+        raise NonFiniteLossError(f"{head}: the input images of {named(ok)} hold NaN or Inf: the data set or the "
+                                 f"augmentation makes them; fix it")
+    shown = f" (batch of {name_keys(idx, views)})" if idx is not None else ""
+    if targets is None:
+        raise NonFiniteLossError(f"{head}{shown}: a damaged cache gives NaN or Inf targets (run `kdcache verify "
+                                 f"{cache or 'PATH'}`), or the student diverged (lower the learning rate)")
+    finite = "targets and inputs" if inputs is not None else "targets"
+    raise NonFiniteLossError(f"{head}{shown}, with finite {finite}: the student diverged; lower the learning "
+                             f"rate (--lr) or the temperature, or raise the weight decay")
 
 
 class KDLoss(gluon.loss.Loss):

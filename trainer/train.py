@@ -21,7 +21,7 @@ from pipeline.teacher import check_fits, load_teacher
 from store import CacheNotFoundError, CacheReader, ProducerGoneError, path_for, registry
 from store.registry import final_path
 from trainer.checkpoint import load_checkpoint, save_checkpoint
-from trainer.loss import KDLoss
+from trainer.loss import KDLoss, check_finite
 from trainer.models import check_student, get_model, model_identity
 from trainer.options import recorded
 from trainer.prefetch import Prefetcher
@@ -256,6 +256,10 @@ def run(args, plan, early, threads, cores):
                     with autograd.record():
                         losses = [loss_fn(net(a), b, c) for a, c, b in zip(xs, ys, ts)]
                     autograd.backward(losses)
+                    # read before the step: a NaN target would put NaN into every weight (trainer.loss NOTE)
+                    tot_loss += check_finite(losses, keys=(st.indices, st.view), targets=t if t is not None else (),
+                                             inputs=x, where=f"epoch {epoch + 1} batch {st.step + 1} of {spe}",
+                                             cache=cache_path)
                     # the global batch: dist_sync sums the workers' gradients
                     if workers == 1:
                         trainer.step(x.shape[0])
@@ -263,7 +267,6 @@ def run(args, plan, early, threads, cores):
                         trainer.step(global_batch_size(n, args.batch_size, st.step))
                     else:  # dist_async updates on the server with one fixed normalisation
                         trainer.step(args.batch_size)
-                    tot_loss += sum(float(l.sum().asscalar()) for l in losses)
                     seen += x.shape[0]
                     epoch_seen += x.shape[0]
                     timeline.append((round(time.time(), 4), int(st.position), round(pf.stall_s - stall_before, 5)))

@@ -56,7 +56,10 @@ def cmd_ls(args):
     for e in entries:
         if e.get("error"):
             print(f"{e['name']}: {e['error']}")
-    return 0
+    full = [e["no_space"] for e in entries if e.get("no_space")]
+    for line in full:  # a committed cache the disk has no room to compact: the user must act
+        print(f"error: {line}", file=sys.stderr)
+    return 2 if full else 0
 
 
 def _existing(path):

@@ -1,15 +1,34 @@
-"""Compaction: the producers' segments, once they cover every key, become one key-ordered file `P.h5`."""
+"""Compaction: the producers' segments, once they cover every key, become one key-ordered file `P.h5`.
+
+NOTE [a full disk]
+Compaction never lets the file system run out of space under a write it cannot recover from: a
+sparse memory map (the spill file, used when the cache is larger than half the free memory) dies
+with SIGBUS at the first page the disk has no block for, and HDF5, failing a write, leaves h5py's
+file in a state whose close raises RuntimeError and may crash the interpreter. So every byte is
+allocated (posix_fallocate) before anything is written into it: the spill files, a reservation of
+the cache file's size taken before the segments are read, then the cache file itself, created by
+h5py with only its metadata (datasets allocated early, never filled) and its rows written with
+pwrite at the datasets' offsets. A full disk is then ENOSPC at an allocation: NoSpaceError, one
+line; the temporary files are removed, the segments are untouched (every row is kept) and the next
+producer, reader or `kdcache ls` compacts again.
+"""
+import errno
 import fcntl
 import os
 
 import h5py
 import numpy as np
+from h5py import h5d, h5p
 
 from . import schema
-from .errors import StoreError
+from .errors import NoSpaceError, StoreError
 from .osutil import NotOurs, available_memory, fs_error, fsync_dir, is_ours, open_regular
 from .paths import COMPACT_TMP, base_path, compact_tmp, discard, final_path, parts_path
-from .segment import committed_rows, count_done, list_segments, open_swmr, read_segment_rows
+from .segment import (committed_rows, count_done, list_segments, open_swmr, quiet_h5py_dealloc_errors,
+                      read_segment_rows)
+
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+_CREATE = os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def step(name):
@@ -33,6 +52,110 @@ def remove_stale_tmp(final):
                 os.unlink(os.path.join(d, n))
             except OSError:
                 pass
+
+
+class _Full(Exception):
+    """An allocation or write found the file system full (carries the OSError)."""
+
+
+def _is_full(e):
+    """True for ENOSPC / EDQUOT, also when h5py reports it only in its message."""
+    if getattr(e, "errno", None) in _FULL:
+        return True
+    text = str(e)
+    return any(f"errno = {n}," in text for n in _FULL) or "No space left on device" in text
+
+
+def allocate(fd, size):
+    """Give the file blocks for its first `size` bytes (ENOSPC now, not SIGBUS or a failed write later).
+    File systems without fallocate get zeros written."""
+    if size <= 0:
+        return
+    try:
+        os.posix_fallocate(fd, 0, size)
+        return
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
+    zeros = bytes(1 << 20)
+    for a in range(0, size, len(zeros)):
+        os.pwrite(fd, zeros[:min(len(zeros), size - a)], a)
+
+
+def _spill_table(path, shape, dtype):
+    """A writable memmap over a file whose every block is allocated first (NOTE [a full disk])."""
+    fd = os.open(path, _CREATE, 0o644)
+    with open(fd, "r+b") as fh:
+        allocate(fd, int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize)
+        return np.memmap(fh, dtype=dtype, mode="r+", shape=shape)  # the map holds its own descriptor
+
+
+def _reserve(path, size):
+    """Hold `size` bytes of the file system under the temporary name of the cache file until h5py
+    creates it: a full disk is found before the segments are read, not after."""
+    fd = os.open(path, _CREATE, 0o644)
+    try:
+        allocate(fd, size)
+    finally:
+        os.close(fd)
+
+
+def _write_final(tmp, spec, codec, tables, block):
+    """The key-ordered cache file at `tmp`: h5py writes its metadata, then its space is allocated and
+    the rows are written at the datasets' offsets (NOTE [a full disk]). Contiguous, unfiltered datasets,
+    each of 64 KiB or more starting on a page boundary: readers map them straight from the file
+    (store.mapped)."""
+    n, v = spec.num_samples, spec.views
+    early = h5p.create(h5p.DATASET_CREATE)
+    early.set_alloc_time(h5d.ALLOC_TIME_EARLY)  # every dataset has its place in the file now, unwritten
+    places = []
+    try:
+        with h5py.File(tmp, "w", alignment_threshold=64 << 10, alignment_interval=4096) as out:
+            for k, val in spec.meta().items():
+                out.attrs[k] = val
+            out.attrs[schema.A_KIND] = schema.KIND_CACHE
+            out.attrs[schema.A_COMPLETE] = 1
+            for name, shape, dtype in codec.fields:
+                d = out.create_dataset(name, shape=(n, v) + tuple(shape), dtype=dtype, dcpl=early,
+                                       fill_time="never")
+                places.append((name, d.id.get_offset()))
+            out.create_dataset(schema.DONE, data=np.ones((n, v), dtype=np.uint8))
+    except (OSError, RuntimeError) as e:  # h5py's close after a failed write raises RuntimeError
+        quiet_h5py_dealloc_errors()
+        if _is_full(e):
+            raise _Full(e) from None
+        raise
+    fd = os.open(tmp, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        end = max(off + tables[name].nbytes for name, off in places)
+        allocate(fd, max(end, os.fstat(fd).st_size))
+        for name, off in places:
+            # key order is (sample, view, ...) in C order: the dataset's bytes, as they stand
+            src = np.ascontiguousarray(tables[name]).reshape(-1).view(np.uint8)
+            row = src.size // max(1, spec.num_keys)
+            for a in range(0, spec.num_keys, block):
+                buf, at = memoryview(src[a * row:(a + block) * row]), off + a * row
+                while buf:
+                    k = os.pwrite(fd, buf, at)
+                    buf, at = buf[k:], at + k
+                step("writing")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _no_space(directory, final_bytes, spill_bytes):
+    try:
+        st = os.statvfs(directory)
+        free = f"{st.f_bavail * st.f_frsize:,} bytes are free"
+    except OSError:
+        free = "its free space is unknown"
+    what = (f" ({final_bytes:,} for the cache file and {spill_bytes:,} for its spill file while it is written, as "
+            f"the cache is larger than half the free memory)" if spill_bytes else "")
+    return NoSpaceError(
+        f"{directory}: no space left to compact the cache: it needs about {final_bytes + spill_bytes:,} bytes there"
+        f"{what} and {free}: free space on that file system (or move the cache directory to a larger one), then "
+        f"run the producer or `kdcache ls` again: every row is kept in the segments and compaction is retried")
 
 
 def _in_the_way(e):
@@ -66,59 +189,59 @@ def finalize(path, spec, *, memory_budget=None):
             if os.path.lexists(p) and not is_ours(p):  # written through, a link would lead anywhere
                 raise _in_the_way(NotOurs(p, "not a file kdcache wrote"))
         step("locked")
-        n, v, nk = spec.num_samples, spec.views, spec.num_keys
+        nk = spec.num_keys
         need = nk * codec.bytes_per_row
+        final_bytes = need + nk + (256 << 10)  # the rows, the done flags, metadata and alignment (at most)
         budget = memory_budget if memory_budget is not None else available_memory() // 2
-        tables, spill = {}, []
-        for name, shape, dtype in codec.fields:
-            if need <= budget:
-                tables[name] = np.empty((nk,) + tuple(shape), dtype=dtype)
-            else:  # larger than memory: scatter into a page-cached memmap instead
-                p = os.path.join(parts, f".compact-{name}.tmp")
-                tables[name] = np.memmap(p, dtype=dtype, mode="w+", shape=(nk,) + tuple(shape))
-                spill.append(p)
-        filled = np.zeros(nk, dtype=bool)
+        tables, spill, reading = {}, [], False
         block = max(1, (64 << 20) // max(1, codec.bytes_per_row))
-        for seg in list_segments(parts):
-            with open_swmr(seg) as f:
-                rows, _ = committed_rows(f, spec)
-                for a in range(0, rows, block):
-                    keys, fields = read_segment_rows(f, codec, a, min(rows, a + block), nk)
-                    new = ~filled[keys]  # duplicates (overlapping shard layouts) hold equal rows
-                    keys = keys[new]
-                    for name in tables:
-                        tables[name][keys] = fields[name][new]
-                    filled[keys] = True
         try:
-            # Contiguous, unfiltered datasets (h5py's default), each of 64 KiB or more starting on a
-            # page boundary: readers map them straight from the file (store.mapped).
-            with h5py.File(tmp, "w", alignment_threshold=64 << 10, alignment_interval=4096) as out:
-                for k, val in spec.meta().items():
-                    out.attrs[k] = val
-                out.attrs[schema.A_KIND] = schema.KIND_CACHE
-                out.attrs[schema.A_COMPLETE] = 1
+            try:
                 for name, shape, dtype in codec.fields:
-                    d = out.create_dataset(name, shape=(n, v) + tuple(shape), dtype=dtype)
-                    src = tables[name].reshape((n, v) + tuple(shape))
-                    rstep = max(1, block // v)
-                    for a in range(0, n, rstep):
-                        d[a:a + rstep] = src[a:a + rstep]
-                        step("writing")
-                out.create_dataset(schema.DONE, data=np.ones((n, v), dtype=np.uint8))
-            with open(tmp, "rb+") as fh:
-                os.fsync(fh.fileno())
+                    if need <= budget:
+                        tables[name] = np.empty((nk,) + tuple(shape), dtype=dtype)
+                    else:  # larger than memory: scatter into a page-cached memmap instead
+                        p = os.path.join(parts, f".compact-{name}.tmp")
+                        spill.append(p)
+                        tables[name] = _spill_table(p, (nk,) + tuple(shape), dtype)
+                _reserve(tmp, final_bytes)
+            except OSError as e:
+                if _is_full(e):
+                    raise _Full(e) from None
+                raise
+            filled = np.zeros(nk, dtype=bool)
+            reading = True
+            for seg in list_segments(parts):
+                with open_swmr(seg) as f:
+                    rows, _ = committed_rows(f, spec)
+                    for a in range(0, rows, block):
+                        keys, fields = read_segment_rows(f, codec, a, min(rows, a + block), nk)
+                        new = ~filled[keys]  # duplicates (overlapping shard layouts) hold equal rows
+                        keys = keys[new]
+                        for name in tables:
+                            tables[name][keys] = fields[name][new]
+                        filled[keys] = True
+            reading = False
+            _write_final(tmp, spec, codec, tables, block)
             step("written")
             os.replace(tmp, final)
             fsync_dir(os.path.dirname(final) or ".")
             step("renamed")
-        except OSError as e:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+        except (OSError, _Full) as e:
+            tables.clear()  # the spill maps go with their last reference: their pages are dropped, not written
+            for p in [tmp] + spill:
+                try:
+                    os.unlink(p)
+                except OSError:
+                    pass
+            if isinstance(e, _Full) or _is_full(e):
+                raise _no_space(os.path.dirname(final) or ".", final_bytes, need if spill else 0) from None
+            if reading:
+                raise  # a segment that cannot be read: its reader's error, not the file system's
             raise fs_error(e, final, "free disk space, then run the producer again: every row is kept "
                                      "in the segments and compaction is retried") from None
         finally:
+            tables.clear()
             for p in spill:
                 try:
                     os.unlink(p)

@@ -11,9 +11,9 @@ import stat
 
 from . import schema
 from .compact import finalize, remove_parts
-from .errors import StoreError
+from .errors import NoSpaceError, StoreError
 from .osutil import NotOurs, is_ours, listdir, open_regular, own, regular, skipped
-from .paths import ASIDE, BUILD_FILE, COMPACT_TMP, final_path, finish_discard, parts_path, pid_alive
+from .paths import ASIDE, BUILD_FILE, COMPACT_TMP, final_path, finish_discard, foreign_files, parts_path, pid_alive
 from .segment import HOST, count_done, lock_holders, open_final, read_manifest
 from .validate import check_final, read_meta, spec_from_meta
 
@@ -86,11 +86,14 @@ def parts_spec(parts, name):
 def settle(base):
     """Finish what a crash left, best effort (a read-only directory stays as it is): compact a cache
     whose every key is committed and that no producer is writing; remove the segments beside a
-    sound finished file. Returns what it did, or None."""
+    sound finished file. Returns what it did, or None. A compaction the disk has no room for is
+    NoSpaceError: the user must hear of it (every row is kept; the next tool tries again)."""
     fin, parts = final_path(base), parts_path(base)
     name = os.path.basename(base)
-    if not _own_folder(parts) or (os.path.lexists(fin) and not is_ours(fin)) or lock_holders(parts):
-        return None  # nothing to finish, or not this user's to finish
+    if not _own_folder(parts) or (os.path.lexists(fin) and not is_ours(fin)) or foreign_files(parts):
+        return None  # nothing to finish, or not this user's to finish (not even a lock file is made there)
+    if lock_holders(parts):
+        return None
     try:
         if os.path.exists(fin):
             final_spec(fin, name)
@@ -102,6 +105,8 @@ def settle(base):
         spec, _ = parts_spec(parts, name)
         if count_done(parts, spec) == spec.num_keys and finalize(base, spec):
             return "compacted: every key was committed"
+    except NoSpaceError:
+        raise
     except (StoreError, OSError):
         return None  # reported by whoever looks at it (ls: damaged; the reader: its own error)
     return None

@@ -5,11 +5,11 @@ import time
 import h5py
 
 from . import schema
-from .errors import NewerFormatError, StoreError
+from .errors import NewerFormatError, NoSpaceError, StoreError
 from .fingerprint import is_fingerprint
 from .housekeeping import final_spec, last_write, locked, parts_spec, remove_stale, settle, stale_files
 from .osutil import NotOurs, listdir, own, read_regular, regular, skipped
-from .paths import (DEFAULT_DIR, ENV_DIR, OWN_PART, base_path, discard, exists, final_path,  # noqa: F401
+from .paths import (DEFAULT_DIR, ENV_DIR, OWN_PART, base_path, discard, exists, final_path, foreign_files,  # noqa: F401
                     parts_path, path_for, resolve_cache_dir)
 from .segment import count_done, lock_holders
 from .validate import looks_like_hdf5
@@ -163,9 +163,15 @@ def _info(base, fin, parts, name, tidy, held, st0):
     if why is not None:
         return {"path": fin if os.path.lexists(fin) else parts, "name": name, "state": NOT_A_CACHE,
                 "error": why, "size": _size(fin) + _size(parts), "done": 0.0, "last_used": None}
+    full = None
     if tidy:
-        settle(base)
+        try:
+            settle(base)
+        except NoSpaceError as e:  # shown by ls (exit 2); gc goes on, to free space
+            full = str(e)
     out = {"path": fin if os.path.exists(fin) else parts, "name": name}
+    if full:
+        out["no_space"] = full
     try:
         if os.path.exists(fin):
             st = os.stat(fin)
@@ -270,6 +276,10 @@ def remove(path, *, expect=None):
     why = _not_ours(base)
     if why is not None:
         return why
+    other = foreign_files(parts_path(base))
+    if other:  # checked before its locks are taken: taking them makes a lock file there
+        return (f"{parts_path(base)} holds files kdcache did not write ({', '.join(other[:3])}): left alone; move "
+                f"them out, then run gc again")
     with locked(parts_path(base)) as held:
         if not held:
             return "a live process holds one of its locks"

@@ -263,7 +263,7 @@ def compare(args, f, spec, topt, dataset, augment, seed):
     codec = spec.make_codec()
     fields = [name for name, _, _ in codec.fields]
     teacher = load_teacher(topt, args.batch_size)
-    cols = [[] for _ in range(6)]
+    cols = [[] for _ in range(7)]
     t0 = time.perf_counter()
     with tqdm(total=keys.size, unit="key", desc="verify", disable=args.quiet or keys.size < 2048,
               dynamic_ncols=True) as bar:
@@ -273,10 +273,16 @@ def compare(args, f, spec, topt, dataset, augment, seed):
             u, inv = np.unique(idx, return_inverse=True)  # h5py reads increasing, unique indices
             stored = {name: f[name][u][inv, views] for name in fields}
             x, _ = make_views(dataset, idx, views, seed=seed, augment=augment)
-            for col, v in zip(cols, compare_rows(stored, teacher.forward(x), codec.name, spec.dtype)):
+            # A NaN input image gives no sound target, even where the teacher repeats the stored row
+            # for it: such keys count as beyond tolerance (the teacher runs on zeros in their place).
+            fin = np.isfinite(x.reshape(len(x), -1)).all(axis=1)
+            x = np.where(fin.reshape((-1,) + (1,) * (x.ndim - 1)), x, 0)
+            res = list(compare_rows(stored, teacher.forward(x), codec.name, spec.dtype))
+            res[-1] = res[-1] & fin
+            for col, v in zip(cols, res + [fin]):
                 col.append(v)
             bar.update(k.size)
-    diff, tol, top, want, agree, ok = (np.concatenate(c) for c in cols)
+    diff, tol, top, want, agree, ok, fin = (np.concatenate(c) for c in cols)
     worst = int(np.argmax(diff - tol))
     bad = np.flatnonzero(~ok)
     seconds = time.perf_counter() - t0
@@ -294,6 +300,8 @@ def compare(args, f, spec, topt, dataset, augment, seed):
         "keys_beyond_tolerance": int(bad.size),
         "beyond": [{**key(i), "diff": float(diff[i]), "tolerance": float(tol[i]), "stored_top1": int(top[i]),
                     "teacher_top1": int(want[i])} for i in bad[:SHOWN]],
+        "keys_with_nonfinite_inputs": int((~fin).sum()),
+        "nonfinite_inputs": [key(i) for i in np.flatnonzero(~fin)[:SHOWN]],
         "match": not bad.size, "seconds": round(seconds, 3), "keys_per_s": round(keys.size / max(seconds, 1e-9), 1)}
 
 
@@ -314,6 +322,10 @@ def print_report(report):
           f"(tolerance there {t['tolerance']:.3g}; {t['tolerance_rule']})")
     print(f"  top-1 agreement         {t['top1_agreement']:.4f} (exact {t['top1_exact']:.4f})")
     print(f"  keys beyond tolerance   {t['keys_beyond_tolerance']}")
+    if t.get("keys_with_nonfinite_inputs"):
+        shown = ", ".join(f"sample {k['sample']} view {k['view']}" for k in t["nonfinite_inputs"][:3])
+        print(f"    of which {t['keys_with_nonfinite_inputs']} have input images holding NaN or Inf ({shown}): "
+              f"the data set or the augmentation makes them; no teacher gives sound targets for them")
     for b in t["beyond"]:
         print(f"    sample {b['sample']} view {b['view']}: |diff| {b['diff']:.6g} > {b['tolerance']:.3g}; "
               f"top-1 stored {b['stored_top1']}, teacher {b['teacher_top1']}")

@@ -10,17 +10,23 @@ import pytest
 from tests.helpers import CHILD_ENV, expected_logits, make_spec, produce
 
 NAN_AUGMENT = '''
+import os
+
 import numpy as np
 
 
 def nan_images(image, rng):
     return np.full_like(image, np.nan)
+
+
+def nan_when_asked(image, rng):
+    return np.full_like(image, np.nan) if os.environ.get("NAN_IMAGES") else image
 '''
 
 
-def kdcache(cwd, *argv, timeout=300):
+def kdcache(cwd, *argv, timeout=300, env=None):
     return subprocess.run([sys.executable, "-m", "kdcache", *map(str, argv)], capture_output=True, text=True,
-                          env=CHILD_ENV, cwd=cwd, timeout=timeout)
+                          env={**CHILD_ENV, **(env or {})}, cwd=cwd, timeout=timeout)
 
 
 def one_error_line(r):
@@ -61,6 +67,9 @@ def world(tmp_path_factory):
     rng = np.random.default_rng(0)
     args = {"fc_weight": mx.nd.array(rng.normal(0, 0.3, (10, 64))), "fc_bias": mx.nd.zeros(10)}
     mx.model.save_checkpoint(str(tmp / "nanteacher"), 0, sym, args, {})
+    # MXNet's relu turns NaN into 0: NaN images give this teacher's bias, a finite row, for every key
+    sym = mx.sym.FullyConnected(mx.sym.flatten(mx.sym.Activation(data, act_type="relu")), num_hidden=10, name="fc")
+    mx.model.save_checkpoint(str(tmp / "reluteacher"), 0, sym, args, {})
     return {"tmp": tmp, "bad": bad}
 
 
@@ -119,17 +128,34 @@ def test_nan_from_an_online_producer_is_refused_before_the_write(tmp_path):
     assert sorted(done_keys(base, 200).tolist()) == sorted(np.concatenate(epoch_batches(0, 0, 200, 32)[:2]).tolist())
 
 
-def test_nan_images_are_refused_before_the_teacher_sees_them(world, teacher):
+def test_nan_images_are_refused_before_the_teacher_sees_them(world):
     """An augmentation giving NaN images: a teacher can turn them into one finite row for every key
     (a cache of identical rows); the producer refuses them first, naming the key and the augmentation."""
     d = world["tmp"] / "caches-aug"
-    r = kdcache(world["tmp"], "cache", "--teacher", teacher, "--cache-dir", d, "--augment", "nanaug:nan_images",
+    r = kdcache(world["tmp"], "cache", "--teacher", "reluteacher", "--cache-dir", d, "--augment", "nanaug:nan_images",
                 "--views", 2, "--quiet")
     line = one_error_line(r)
     assert "input images of a batch hold NaN or Inf" in line and "sample 0 view 0" in line, line
     assert "the augmentation nanaug:nan_images" in line and "nothing of this batch was cached" in line, line
     from store.registry import cache_bases, info
     assert all(info(b)["done"] == 0.0 for b in cache_bases(str(d)))
+
+
+@pytest.mark.slow
+def test_verify_with_the_teacher_counts_keys_whose_rebuilt_inputs_are_nan(world):
+    """The teacher check rebuilds each key's input: a NaN image is no match, even where the teacher
+    gives the stored row for it (this relu teacher gives its bias for NaN images)."""
+    d = world["tmp"] / "caches-verify"
+    r = kdcache(world["tmp"], "cache", "--teacher", "reluteacher", "--cache-dir", d, "--augment",
+                "nanaug:nan_when_asked", "--views", 2, "--quiet", "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    path = json.loads(r.stdout.strip().splitlines()[-1])["cache_path"]
+    r = kdcache(world["tmp"], "verify", path, "--teacher", "reluteacher", "--sample", 40, "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["teacher_check"]["keys_with_nonfinite_inputs"] == 0
+    r = kdcache(world["tmp"], "verify", path, "--teacher", "reluteacher", "--sample", 40, env={"NAN_IMAGES": "1"})
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert "of which 40 have input images holding NaN or Inf" in r.stdout, r.stdout
+    assert "does NOT match its teacher" in r.stdout
 
 
 def test_the_writer_names_the_keys_of_non_finite_rows(cache_dir):

@@ -12,6 +12,16 @@ from .segment import committed_rows, list_segments, open_final, open_swmr, read_
 from .validate import check_final, read_meta, spec_from_meta
 
 
+def _differs(rows, row):
+    """Whether any of `rows` [n, m] differs from `row` [m], byte for byte: a few rows first (a real
+    cache differs there at once), then all of them as unsigned integers (float16 compares slowly)."""
+    probe = rows[::max(1, len(rows) // 16)]
+    if (probe != row).any():
+        return True
+    u = np.dtype(f"u{rows.dtype.itemsize}")
+    return bool((np.ascontiguousarray(rows).view(u) != np.ascontiguousarray(row).view(u)).any())
+
+
 class ValueScan:
     """Every stored value of a cache, block by block: the first key holding a value no teacher
     writes (NaN or Inf, in any float field of any codec), and whether every row is the same one
@@ -30,17 +40,19 @@ class ValueScan:
         if not rows:
             return
         flat = {name: arr.reshape(rows, -1) for name, arr in fields.items()}
-        bad = {name: ~np.isfinite(a).all(axis=1) for name, a in flat.items() if a.dtype.kind == "f"}
-        any_bad = np.logical_or.reduce(list(bad.values())) if bad else np.zeros(rows, dtype=bool)
-        if any_bad.any():
+        # one flat pass per field; the per-row pass only for a block that holds a bad value
+        bad = {name: ~np.isfinite(a).all(axis=1) for name, a in flat.items()
+               if a.dtype.kind == "f" and not np.isfinite(a).all()}
+        if bad:
+            any_bad = np.logical_or.reduce(list(bad.values()))
             self.bad_keys += int(any_bad.sum())
             if self.first_bad is None:
                 i = int(np.flatnonzero(any_bad)[0])
                 self.first_bad = (where, int(keys[i]), [name for name, b in bad.items() if b[i]])
         if self.first_row is None:
             self.first_row = {name: a[0].copy() for name, a in flat.items()}
-        if not self.varied:  # one comparison per block until two rows differ
-            self.varied = any(bool((a != self.first_row[name]).any()) for name, a in flat.items())
+        if not self.varied:  # until two rows differ
+            self.varied = any(_differs(a, self.first_row[name]) for name, a in flat.items())
 
     def problem(self):
         if self.first_bad is None:

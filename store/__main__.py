@@ -147,7 +147,8 @@ def main(argv=None, prog="python -m store"):
     s = sub.add_parser("inspect", help="print all metadata of one cache")
     s.add_argument("path", help="cache path (P, P.h5 or P.parts)")
     s.set_defaults(fn=cmd_inspect)
-    s = sub.add_parser("verify", help="check schema, flags, finite values and completeness; exit 0 only when sound")
+    s = sub.add_parser("verify", help="check schema, flags, finite values and completeness; exit 0 only when sound "
+                                          "and not suspect (every row the same)")
     s.add_argument("path", help="cache path (P, P.h5 or P.parts)")
     s.set_defaults(fn=cmd_verify)
     s = sub.add_parser("gc", help="remove incomplete, damaged or unused caches and stale shared-memory rings")

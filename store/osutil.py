@@ -1,5 +1,6 @@
 """Operating-system helpers of the store: OS errors in one line, fsync, free memory, quiet stderr, safe opening."""
 import contextlib
+import errno
 import logging
 import os
 import re
@@ -129,14 +130,19 @@ def is_ours(path, *, mine=True):
         return False
 
 
+# The errors that say the entry is not a file kdcache may use (a link, a socket or device, another user's).
+_NOT_OURS = (errno.ELOOP, errno.EACCES, errno.EPERM, errno.ENXIO, errno.ENODEV, errno.EISDIR, errno.ENOTDIR,
+             errno.EOPNOTSUPP)
+
+
 def open_regular(path, *, mine=False, flags=0):
     """(fd, fstat) of a regular file, opened without following a link and without blocking (a FIFO
     opens at once, then is refused); NotOurs for anything else, FileNotFoundError when absent."""
     try:
         fd = os.open(path, _READ | flags, 0o644)
-    except FileNotFoundError:
-        raise
-    except OSError as e:  # ELOOP: a symbolic link; EACCES: not ours to read; ENXIO: a socket
+    except OSError as e:  # ELOOP: a symbolic link; EACCES, EPERM: not ours to read; ENXIO: a socket
+        if e.errno not in _NOT_OURS:
+            raise  # absent, or the file system's own error (read-only, full, I/O): the caller says what to do
         raise NotOurs(path, f"cannot be opened: {e.strerror or e}") from None
     try:
         st = os.fstat(fd)

@@ -189,9 +189,10 @@ def child_async(a):
     from pipeline.schedule import steps_per_epoch
     from trainer.loss import KDLoss
     from trainer.models import get_model
+    from trainer.train import resolve_ctx
     mx.random.seed(SEED)
     np.random.seed(SEED)
-    ctx = mx.gpu(0) if a.ctx.startswith("gpu") else mx.cpu()
+    ctx = resolve_ctx(a.ctx)[0]  # the door's Devices, as the trainer resolves them
     train = load_dataset(a.dataset, split="train")
     n = len(train)
     teacher = gluon.SymbolBlock.imports(a.teacher + "-symbol.json", ["data"], a.teacher + "-0000.params",

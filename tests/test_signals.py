@@ -8,6 +8,7 @@ ring producer waits for a consumer must end the command with exit status 130 or 
 shard's sibling stopped) and at most one line of error text, never "Exception ignored" and
 never a traceback; the cache keeps its committed rows and an ordinary rerun completes it.
 """
+import functools
 import os
 import random
 import signal
@@ -20,6 +21,7 @@ import h5py
 import numpy as np
 import pytest
 
+from pipeline.children import before_exec
 from tests.helpers import CHILD_ENV, ROOT
 
 TORTURE = os.environ.get("KDCACHE_TORTURE") == "1"
@@ -33,9 +35,13 @@ NAMES = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
 
 def start(argv, cwd):
-    """The command, its output in files (a pipe nobody reads could hold it)."""
+    """The command, its output in files (a pipe nobody reads could hold it). Started as kdcache
+    starts its own children (pipeline.children.before_exec): with SIGINT and SIGTERM blocked until
+    the command's first line takes them over, for the interpreter's own start-up (about 15 ms,
+    before any of kdcache's code runs) would otherwise raise KeyboardInterrupt in the site module."""
     out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
-    proc = subprocess.Popen([*CMD, *map(str, argv)], stdout=out, stderr=err, env=ENV, cwd=cwd)
+    proc = subprocess.Popen([*CMD, *map(str, argv)], stdout=out, stderr=err, env=ENV, cwd=cwd,
+                            preexec_fn=functools.partial(before_exec, os.getpid()))
     proc.out, proc.err = out, err
     return proc
 

@@ -6,6 +6,8 @@ hash (splitmix64) of the key, vectorised over a batch, so they do not depend on 
 composition, order, process or platform.
 """
 import dataclasses
+import math
+import re
 
 import numpy as np
 
@@ -30,50 +32,124 @@ def key_hash(seed, indices, views, salt):
         return _splitmix64(h ^ np.uint64(salt))
 
 
+# RandomResizedCrop's defaults in torchvision and GluonCV: the crop's area fraction and aspect ratio (w/h).
+RRC_SCALE = (0.08, 1.0)
+RRC_RATIO = (3 / 4, 4 / 3)
+RRC_ATTEMPTS = 10
+# center:SIZE resizes the short side to SIZE / 0.875 (224 -> 256), GluonCV's and torchvision's ImageNet habit.
+CROP_FRACTION = 0.875
+MAX_SIZE = 8192
+_HELP = ("use none, crop:PAD, flip, crop:PAD,flip, rrc:SIZE[,scale=A-B][,ratio=A-B][,flip] or center:SIZE / "
+         "eval:RESIZE/SIZE (SIZE N or HxW), e.g. crop:4,flip or rrc:224,flip")
+
+
 @dataclasses.dataclass(frozen=True)
 class Augment:
-    """Random crop after zero padding by `pad` pixels, and horizontal flip with probability 1/2.
+    """A built-in augmentation, from its spec string (`parse`; `spec` is its canonical form).
 
-    Spec strings: "none", "crop:4", "flip", "crop:4,flip".
+    crop:PAD   random crop after zero padding by PAD pixels (the image keeps its size)
+    flip       horizontal flip with probability 1/2 (after the crop)
+    rrc:SIZE   random resized crop to SIZE (N or HxW): torchvision's RandomResizedCrop, with area
+               fraction scale=A-B (default 0.08-1) and aspect ratio w/h ratio=A-B (default 3/4-4/3)
+    eval:RESIZE/SIZE  the evaluation transform: resize the short side to RESIZE, centre-crop SIZE;
+               the same image for every view (center:SIZE is eval:ceil(SIZE/0.875)/SIZE)
+    Resizing is bilinear with half-pixel centres (OpenCV's INTER_LINEAR, MXNet's imresize; no
+    antialiasing), in float32 numpy, so every process computes the same pixels.
     """
     pad: int = 0
     flip: bool = False
+    size: tuple = None  # rrc's output (H, W)
+    scale: tuple = RRC_SCALE
+    ratio: tuple = RRC_RATIO
+    resize: int = 0  # eval: the short side's length before the centre crop
+    center: tuple = None  # eval: the centre crop (H, W)
 
     @classmethod
     def parse(cls, spec):
-        spec = (spec or "none").strip().lower()
-        if spec in ("none", ""):
+        """The Augment of a spec string; ValueError (one line: the part, what is allowed) if not one."""
+        text = (spec or "none").strip().lower()
+        if text in ("none", ""):
             return cls()
-        pad, flip = 0, False
-        for part in spec.split(","):
-            part = part.strip()
+        kw, params = {}, {}
+        for part in (p.strip() for p in text.split(",")):
+            head, colon, value = part.partition(":")
+            key, eq, pval = part.partition("=")
             if part == "flip":
-                flip = True
-            elif part.startswith("crop:"):
-                try:
-                    pad = int(part[5:])
-                except ValueError:
-                    pad = -1
-                if pad < 0:
-                    raise ValueError(f"augmentation {spec!r}: crop padding must be an integer >= 0; use none, "
-                                     f"crop:PAD, flip or crop:PAD,flip, e.g. crop:4,flip")
+                kw["flip"] = True
+            elif colon and head in ("crop", "rrc", "center", "eval"):
+                if {"crop", "rrc", "eval"} & set(kw):
+                    raise ValueError(f"augmentation {spec!r}: one of crop:PAD, rrc:SIZE, center:SIZE and "
+                                     f"eval:RESIZE/SIZE at a time; {_HELP}")
+                if head == "crop":
+                    kw["crop"] = _integer(value, 0, None, spec, "crop padding")
+                elif head == "rrc":
+                    kw["rrc"] = _size(value, spec, "rrc's SIZE")
+                elif head == "center":
+                    size = _size(value, spec, "center's SIZE")
+                    kw["eval"] = (-(-min(size) * 8 // 7), size)  # ceil(short / 0.875), in integers
+                else:
+                    resize, slash, crop = value.partition("/")
+                    if not slash:
+                        raise ValueError(f"augmentation {spec!r}: write eval:RESIZE/SIZE, e.g. eval:256/224 "
+                                         f"(resize the short side to 256, centre-crop 224x224)")
+                    size = _size(crop, spec, "eval's SIZE")
+                    r = _integer(resize, min(size), MAX_SIZE, spec, "eval's RESIZE (the short side, at least "
+                                 "the crop's short side)")
+                    kw["eval"] = (r, size)
+            elif eq and key.strip() in ("scale", "ratio"):
+                params[key.strip()] = _range(key.strip(), pval, spec)
             else:
-                raise ValueError(f"augmentation {spec!r} not understood: use none, crop:PAD, flip or crop:PAD,flip")
-        return cls(pad, flip)
+                raise ValueError(f"augmentation {spec!r}: {part!r} is not understood; {_HELP}")
+        if params and "rrc" not in kw:
+            raise ValueError(f"augmentation {spec!r}: {' and '.join(params)} {'belong' if len(params) > 1 else 'belongs'} to rrc:SIZE (e.g. "
+                             f"rrc:224,scale=0.35-1)")
+        if "eval" in kw and kw.get("flip"):
+            raise ValueError(f"augmentation {spec!r}: the evaluation transform is the same for every view; "
+                             f"use it alone, or rrc:SIZE,flip for random views")
+        resize, center = kw.get("eval", (0, None))
+        return cls(pad=kw.get("crop", 0), flip=kw.get("flip", False), size=kw.get("rrc"),
+                   scale=params.get("scale", RRC_SCALE), ratio=params.get("ratio", RRC_RATIO), resize=resize,
+                   center=center)
 
     @property
     def spec(self):
-        parts = ([f"crop:{self.pad}"] if self.pad else []) + (["flip"] if self.flip else [])
-        return ",".join(parts) or "none"
+        """The canonical spec: the same augmentation, the same string (defaults left out)."""
+        parts = [f"crop:{self.pad}"] if self.pad else []
+        if self.size:
+            parts.append(f"rrc:{_size_word(self.size)}")
+            parts += [f"{k}={_num(v[0])}-{_num(v[1])}" for k, v, d in
+                      (("scale", self.scale, RRC_SCALE), ("ratio", self.ratio, RRC_RATIO)) if tuple(v) != d]
+        if self.center:
+            parts.append(f"eval:{self.resize}/{_size_word(self.center)}")
+        return ",".join(parts + (["flip"] if self.flip else [])) or "none"
 
     @property
     def active(self):
-        return self.pad > 0 or self.flip
+        """Whether it changes images at all."""
+        return self.pad > 0 or self.flip or bool(self.size) or bool(self.center)
+
+    @property
+    def varies(self):
+        """Whether views differ: the evaluation transform gives every view the same image."""
+        return self.pad > 0 or self.flip or bool(self.size)
+
+    def out_shape(self, shape):
+        """The shape of a view of an image of `shape` (C, H, W)."""
+        hw = self.size or self.center
+        return tuple(shape) if not hw else (shape[0], *hw)
+
+    def eval_view(self):
+        """The augmentation that evaluates a model trained on these views: for rrc:SIZE the centre crop
+        center:SIZE (GluonCV's and torchvision's ImageNet evaluation), for the others none; the
+        evaluation transform is its own."""
+        if self.size:
+            return Augment.parse(f"center:{_size_word(self.size)}")
+        return self if self.center else Augment()
 
     def params(self, seed, indices, views):
         """(dy, dx, flip) per key: the crop offset in the padded image and the flip bit."""
         n = np.asarray(indices).size
-        if not self.active:
+        if not self.varies:
             z = np.zeros(n, dtype=np.int64)
             return z, z, np.zeros(n, dtype=bool)
         h = key_hash(seed, indices, views, 1)
@@ -83,12 +159,48 @@ class Augment:
         flip = ((h >> np.uint64(40)) & np.uint64(1)).astype(bool) if self.flip else np.zeros(n, dtype=bool)
         return dy, dx, flip
 
+    def rrc_params(self, seed, indices, views, height, width):
+        """(top, left, h, w) int64 per key: the box of rrc's crop in a height x width image.
+
+        torchvision's RandomResizedCrop.get_params step for step (10 attempts, then the centre crop
+        of the whole image clamped to the ratio range), with each attempt's random numbers drawn from
+        the key's hashes instead of a generator's stream."""
+        n = np.asarray(indices).size
+        area = height * width
+        lr0, lr1 = math.log(self.ratio[0]), math.log(self.ratio[1])
+        draws = [[_uniform(key_hash(seed, indices, views, 16 + 4 * a + k)) if k < 2 else
+                  key_hash(seed, indices, views, 16 + 4 * a + k) for k in range(4)] for a in range(RRC_ATTEMPTS)]
+        out = np.empty((4, n), dtype=np.int64)
+        for q in range(n):
+            for us, ur, hi, hj in draws:
+                # Python floats and math (correctly rounded sqrt, round half to even): torchvision's arithmetic
+                target = area * (self.scale[0] + float(us[q]) * (self.scale[1] - self.scale[0]))
+                aspect = math.exp(lr0 + float(ur[q]) * (lr1 - lr0))
+                w = int(round(math.sqrt(target * aspect)))
+                h = int(round(math.sqrt(target / aspect)))
+                if 0 < w <= width and 0 < h <= height:
+                    out[:, q] = int(hi[q]) % (height - h + 1), int(hj[q]) % (width - w + 1), h, w
+                    break
+            else:
+                out[:, q] = _fallback(height, width, self.ratio)
+        return tuple(out)
+
     def apply(self, x, seed, indices, views):
-        """Augmented copy of a batch x [B, C, H, W] for keys (indices, views)."""
+        """Augmented copy of a batch x [B, C, H, W] for keys (indices, views); rrc and eval give
+        [B, C, *SIZE]. The dtype is kept (integer images are rounded after resizing)."""
         if not self.active:
             return x
-        dy, dx, flip = self.params(seed, indices, views)
         b, c, h, w = x.shape
+        if self.size:
+            boxes = np.stack(self.rrc_params(seed, indices, views, h, w), axis=1)
+            flip = self.params(seed, indices, views)[2]
+            out = np.empty((b, c, *self.size), dtype=x.dtype)
+            for k in range(b):
+                out[k] = resized_crop(x[k], *boxes[k], self.size, flip=flip[k])
+            return out
+        if self.center:
+            return center_view(x, self.resize, self.center)
+        dy, dx, flip = self.params(seed, indices, views)
         p = self.pad
         padded = np.zeros((b, c, h + 2 * p, w + 2 * p), dtype=x.dtype)
         padded[:, :, p:p + h, p:p + w] = x
@@ -97,6 +209,139 @@ class Augment:
             crop = padded[k, :, dy[k]:dy[k] + h, dx[k]:dx[k] + w]
             out[k] = crop[:, :, ::-1] if flip[k] else crop
         return out
+
+
+def _uniform(h):
+    """[0, 1) floats from 64-bit hashes: their top 53 bits, as torch's uniform_ and numpy's random()."""
+    return (h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+
+def _fallback(height, width, ratio):
+    in_ratio = width / height
+    if in_ratio < min(ratio):
+        w, h = width, int(round(width / min(ratio)))
+    elif in_ratio > max(ratio):
+        h, w = height, int(round(height * max(ratio)))
+    else:
+        w, h = width, height
+    return (height - h) // 2, (width - w) // 2, h, w
+
+
+def _axis(start, length, out, limit):
+    """Bilinear sampling of `out` pixels over source pixels [start, start + length) (half-pixel
+    centres, clamped to that span): (lower index, upper index, float32 weight of the upper)."""
+    src = start + (np.arange(out, dtype=np.float64) + 0.5) * (length / out) - 0.5
+    src = np.clip(src, start, start + length - 1)
+    lo = np.floor(src).astype(np.int64)
+    hi = np.minimum(lo + 1, min(start + length, limit) - 1)
+    return lo, hi, (src - lo).astype(np.float32)
+
+
+def _lerp(a, b, f):
+    # float32 throughout, two products and a sum: no fused or reordered arithmetic to differ between processes
+    return a * (np.float32(1) - f) + b * f
+
+
+def _resample(img, ys, xs):
+    """img [C, H, W] sampled at rows ys and columns xs (each (lo, hi, weight)), as float32."""
+    img = img.astype(np.float32, copy=False)
+    (y0, y1, fy), (x0, x1, fx) = ys, xs
+    rows = _lerp(img[:, y0, :], img[:, y1, :], fy[:, None])
+    return _lerp(rows[:, :, x0], rows[:, :, x1], fx)
+
+
+def _as_dtype(out, dtype):
+    if np.issubdtype(dtype, np.integer):
+        info = np.iinfo(dtype)
+        return np.clip(np.rint(out), info.min, info.max).astype(dtype)
+    return out.astype(dtype, copy=False)
+
+
+def resized_crop(img, top, left, h, w, size, flip=False):
+    """The box (top, left, h, w) of img [C, H, W], resized bilinearly to size (H', W'), flipped
+    horizontally if `flip` (its columns sampled right to left: the same pixels as a flip after)."""
+    _, height, width = img.shape
+    xs = _axis(int(left), int(w), size[1], width)
+    out = _resample(img, _axis(int(top), int(h), size[0], height), tuple(a[::-1] for a in xs) if flip else xs)
+    return _as_dtype(out, img.dtype)
+
+
+def center_view(x, resize, crop):
+    """The evaluation transform of a batch x [B, C, H, W]: the short side resized to `resize`
+    (the long side to int(long * resize / short), as torchvision's Resize), then the centre crop (H', W'); a crop larger
+    than the resized image is zero-padded (torchvision's CenterCrop)."""
+    b, c, height, width = x.shape
+    if height <= width:
+        rh, rw = resize, int(resize * width / height)
+    else:
+        rh, rw = int(resize * height / width), resize
+    top, left = int(round((rh - crop[0]) / 2.0)), int(round((rw - crop[1]) / 2.0))  # torchvision's offsets
+    out = np.zeros((b, c, *crop), dtype=x.dtype)
+    # output pixel (i, j) is pixel (top + i, left + j) of the resized image, where it exists
+    oy, ox = np.arange(max(0, -top), min(crop[0], rh - top)), np.arange(max(0, -left), min(crop[1], rw - left))
+    if b and oy.size and ox.size:
+        ys, xs = _resized_axis(top + oy, rh, height), _resized_axis(left + ox, rw, width)
+        for k in range(b):
+            out[k][:, oy[0]:oy[-1] + 1, ox[0]:ox[-1] + 1] = _as_dtype(_resample(x[k], ys, xs), x.dtype)
+    return out
+
+
+def _resized_axis(positions, resized, source):
+    """Bilinear sampling for pixels `positions` of an axis of `source` pixels resized to `resized`."""
+    src = np.clip((positions.astype(np.float64) + 0.5) * (source / resized) - 0.5, 0, source - 1)
+    lo = np.floor(src).astype(np.int64)
+    return lo, np.minimum(lo + 1, source - 1), (src - lo).astype(np.float32)
+
+
+def _integer(word, lo, hi, spec, what):
+    try:
+        v = int(word.strip())
+    except ValueError:
+        v = None
+    if v is None or v < lo or hi is not None and v > hi:
+        raise ValueError(f"augmentation {spec!r}: {what} must be an integer from {lo}"
+                         f"{f' to {hi}' if hi is not None else ' up'}, not {word.strip()!r}; {_HELP}")
+    return v
+
+
+def _size(word, spec, what):
+    """N or HxW, each from 1 to MAX_SIZE, as (H, W)."""
+    m = re.fullmatch(r"\s*(\d+)\s*(?:x\s*(\d+)\s*)?", word)
+    size = (int(m.group(1)), int(m.group(2) or m.group(1))) if m else None
+    if size is None or not all(1 <= v <= MAX_SIZE for v in size):
+        raise ValueError(f"augmentation {spec!r}: {what} must be N or HxW with integers from 1 to {MAX_SIZE}, "
+                         f"not {word.strip()!r} (e.g. rrc:224 or rrc:224x192)")
+    return size
+
+
+def _size_word(size):
+    return str(size[0]) if size[0] == size[1] else f"{size[0]}x{size[1]}"
+
+
+def _range(key, word, spec):
+    """scale=A-B (0 < A <= B <= 1) or ratio=A-B (0 < A <= B); A and B numbers or fractions (3/4)."""
+    m = re.fullmatch(r"\s*([0-9.e+/]+)\s*-\s*([0-9.e+/]+)\s*", word)
+    vals = [_number(g) for g in m.groups()] if m else [None]
+    top = 1.0 if key == "scale" else float("inf")
+    if None in vals or not (0 < vals[0] <= vals[1] <= top) or not math.isfinite(vals[1]):
+        what = "0 < A <= B <= 1 (the crop's fraction of the image's area)" if key == "scale" else \
+            "0 < A <= B (the crop's width / height)"
+        raise ValueError(f"augmentation {spec!r}: {key}={word.strip()} must be A-B with {what}, e.g. "
+                         f"{key}={'0.35-1' if key == 'scale' else '3/4-4/3'}")
+    return tuple(vals)
+
+
+def _number(word):
+    try:
+        a, slash, b = word.partition("/")
+        return float(a) / float(b) if slash else float(a)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def _num(v):
+    """A float as the shortest word that reads back to it (1.0 -> 1)."""
+    return str(int(v)) if float(v).is_integer() else repr(float(v))
 
 
 def make_views(dataset, indices, views, *, seed, augment):
@@ -122,7 +367,14 @@ class UserAugment:
     """A user's augmentation FUNCTION(image, rng) -> image, for image float32 [C, H, W] in [0, 1] and
     rng the Generator of the key (key_rng), so every process rebuilds the same view. Its identity
     (`spec`, recorded in the fingerprint) is its qualified name and a digest of its source."""
-    active = True
+    active = varies = True
+
+    @staticmethod
+    def out_shape(shape):
+        return tuple(shape)  # it must keep the shape (one)
+
+    def eval_view(self):
+        return Augment()  # evaluation sees the images as they are
 
     def __init__(self, fn, name=None):
         import hashlib

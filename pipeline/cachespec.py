@@ -26,17 +26,19 @@ def resolve_augment(spec, dataset_name, views):
             return Augment()
         return Augment.parse(DEFAULT_AUGMENT.get(dataset_name, DEFAULT_AUGMENT_IMAGES))
     aug = spec if isinstance(spec, Augment) else Augment.parse(spec)  # as --augment parsed it, or its spec
-    if views > 1 and not aug.active:
+    if views > 1 and not aug.varies:
         raise ValueError(f"--views {views} with --augment {aug.spec}: every view would be the same image; "
                          f"name an augmentation (e.g. --augment crop:4,flip) or use --views 1")
     return aug
 
 
 def build_spec(teacher_id, dataset, *, views=1, augment=None, seed=0, codec="full", dtype="float16"):
-    """The CacheSpec for these inputs. The seed matters only when views are augmented."""
+    """The CacheSpec for these inputs. The augmentation is named by its canonical spec (defaults left
+    out: two spellings, one cache); the seed matters only when views vary (not for eval:...)."""
     aug = augment if augment is not None else Augment()
+    varies = getattr(aug, "varies", aug.active)  # a user's augmentation draws from the key's rng
     inputs = {"teacher": teacher_id, "dataset": dataset.identity(), "producer": PRODUCER_VERSION,
-              "augment": aug.spec if aug.active else None, "augment_seed": int(seed) if aug.active else None}
+              "augment": aug.spec if aug.active else None, "augment_seed": int(seed) if varies else None}
     return CacheSpec(num_samples=len(dataset), num_classes=int(dataset.num_classes), views=int(views),
                      codec=codec, dtype=dtype, inputs=inputs)
 

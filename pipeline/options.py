@@ -35,9 +35,12 @@ class Codec(Allowed):
 
 
 class AugmentSpec(Allowed):
-    """auto | none | crop:PAD | flip | crop:PAD,flip | MODULE:FUNCTION.
+    """auto | none | crop:PAD | flip | crop:PAD,flip | rrc:SIZE[,scale=A-B][,ratio=A-B][,flip] | center:SIZE |
+    eval:RESIZE/SIZE | MODULE:FUNCTION.
 
-    The value: an Augment, or "auto" (it depends on the views and the data set), or the string
+    rrc is torchvision's RandomResizedCrop to SIZE (N or HxW; scale 0.08-1 and ratio 3/4-4/3 by
+    default), center:SIZE and eval:RESIZE/SIZE the evaluation transform (short side resized to
+    RESIZE, SIZE/0.875 for center, then the centre crop). The value: an Augment, or "auto" (it depends on the views and the data set), or the string
     MODULE:FUNCTION (loading it imports the user's module: that waits for the data)."""
 
     def __call__(self, s):
@@ -49,9 +52,8 @@ class AugmentSpec(Allowed):
             return v
         try:
             aug = Augment.parse(v)
-        except ValueError:
-            fail(f"{s!r} is not understood: use auto, none, crop:PAD, flip or crop:PAD,flip (PAD an integer from "
-                 f"0 to 64), or MODULE:FUNCTION (your own: FUNCTION(image, rng) -> image)")
+        except ValueError as e:
+            fail(f"{e}; or auto, or MODULE:FUNCTION (your own: FUNCTION(image, rng) -> image)")
         if aug.pad > 64:
             fail(f"{s!r}: crop padding {aug.pad} is more than 64 pixels")
         return aug
@@ -160,7 +162,9 @@ SHARED = [
            metavar="N", group=DATA),
     Option("--views", "augmented views per sample; epoch e uses view e mod V", type=Int(1, 10000), default=1,
            metavar="V", group=DATA, make="VIEWS"),
-    Option("--augment", "auto | none | crop:PAD | flip | crop:PAD,flip | MODULE:FUNCTION (your own: "
+    Option("--augment", "auto | none | crop:PAD | flip | crop:PAD,flip | rrc:SIZE[,scale=A-B][,ratio=A-B][,flip] "
+           "(RandomResizedCrop to SIZE = N or HxW) | center:SIZE | eval:RESIZE/SIZE (short side to RESIZE, "
+           "SIZE/0.875 for center, then the centre crop: every view the same) | MODULE:FUNCTION (your own: "
            "FUNCTION(image, rng) -> image, rng seeded by (seed, sample, view)); auto = none for 1 view, else the "
            "data set's usual", type=AugmentSpec(), default="auto", metavar="SPEC", group=DATA, make="AUGMENT"),
     Option("--seed", "seed of the schedule and of the augmentation", type=Int(0, 2 ** 32 - 1), default=0,
@@ -236,10 +240,9 @@ def check_applies(args, parser):
 
 def check_views(args, parser):
     """--views V > 1 needs an augmentation: V copies of the same image would be V identical views."""
-    if args.views > 1 and isinstance(args.augment, Augment) and not args.augment.active:
-        parser.error(f"argument --views: with --augment none every view would be the same image ({args.views} "
-                     f"copies); "
-                     f"name an augmentation (--augment crop:4,flip) or use --views 1")
+    if args.views > 1 and isinstance(args.augment, Augment) and not args.augment.varies:
+        parser.error(f"argument --views: with --augment {args.augment.spec} every view would be the same image "
+                     f"({args.views} copies); name a random augmentation (--augment crop:4,flip) or use --views 1")
 
 
 def main(argv=None, prog="python -m pipeline.options"):

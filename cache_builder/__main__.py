@@ -155,7 +155,7 @@ def run(args, log):
     if args.hold:
         from pipeline.teacher import check_fits, load_teacher
         teacher = load_teacher(topt, args.batch_size)
-        check_fits(teacher, dataset)
+        check_fits(teacher, dataset, augment, args.seed)
         path = await_cache(log, spec)
         if path is None:
             return 0
@@ -337,7 +337,7 @@ def fill(args, log, shard, path, spec, dataset, augment, topt, result, t0, timel
     if teacher is None and not os.path.exists(final_path(path)):
         # The teacher must fit the data before anything is written: a mistake leaves no cache behind.
         teacher = load_teacher(topt, args.batch_size)
-        check_fits(teacher, dataset)
+        check_fits(teacher, dataset, augment, args.seed)
     writer = CacheWriter(path, spec, shard=shard)
     try:
         if writer.complete or writer.remaining == 0:
@@ -390,7 +390,7 @@ def run_ring(args, log, topt, dataset, augment, spec, result, timeline):
         # Loaded once attached: the trainer's ring has both sides then, and a teacher that fails
         # closes it as failed, which the trainer reports at once.
         teacher = load_teacher(topt, args.batch_size)
-        check_fits(teacher, dataset)
+        check_fits(teacher, dataset, augment, args.seed)
         stats = produce_online(teacher, dataset, RingSink(ring, spec), seed=args.seed, augment=augment,
                                batch_size=args.batch_size, epochs=args.epochs, progress=not args.quiet,
                                timeline=timeline)

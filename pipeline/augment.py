@@ -101,7 +101,8 @@ class Augment:
             else:
                 raise ValueError(f"augmentation {spec!r}: {part!r} is not understood; {_HELP}")
         if params and "rrc" not in kw:
-            raise ValueError(f"augmentation {spec!r}: {' and '.join(params)} {'belong' if len(params) > 1 else 'belongs'} to rrc:SIZE (e.g. "
+            verb = "belong" if len(params) > 1 else "belongs"
+            raise ValueError(f"augmentation {spec!r}: {' and '.join(params)} {verb} to rrc:SIZE (e.g. "
                              f"rrc:224,scale=0.35-1)")
         if "eval" in kw and kw.get("flip"):
             raise ValueError(f"augmentation {spec!r}: the evaluation transform is the same for every view; "
@@ -209,6 +210,11 @@ class Augment:
             crop = padded[k, :, dy[k]:dy[k] + h, dx[k]:dx[k] + w]
             out[k] = crop[:, :, ::-1] if flip[k] else crop
         return out
+
+
+def is_builtin(spec):
+    """Whether a spec names a built-in augmentation (crop:x is a mistake in one, not MODULE crop's x)."""
+    return str(spec).strip().lower().partition(":")[0] in ("crop", "rrc", "center", "eval")
 
 
 def _uniform(h):
@@ -354,6 +360,35 @@ def make_views(dataset, indices, views, *, seed, augment):
     return augment.apply(x, seed, indices, views), y
 
 
+class EvalViews:
+    """A data set seen through a deterministic view (the evaluation transform): get_batch gives the
+    transformed images, everything else (len, labels, identity, ...) is the data set's own."""
+
+    def __init__(self, dataset, augment):
+        self.dataset, self.augment = dataset, augment
+
+    def __getattr__(self, name):
+        return getattr(self.dataset, name)
+
+    def __len__(self):
+        return len(self.dataset)
+
+    @property
+    def shape(self):
+        return self.augment.out_shape(self.dataset.shape)
+
+    def get_batch(self, indices):
+        x, y = self.dataset.get_batch(indices)
+        return self.augment.apply(x, 0, indices, 0), y
+
+
+def eval_views(dataset, augment):
+    """The test split as a model trained on `augment`'s views is evaluated: rrc:SIZE's centre crop
+    center:SIZE (the images' size the model was trained at), the data set itself for the others."""
+    view = augment.eval_view()
+    return EvalViews(dataset, view) if view.active else dataset
+
+
 def key_rng(seed, index, view):
     """The numpy Generator of key (seed, index, view): the same in every process and on every run."""
     return np.random.default_rng(int(key_hash(seed, [int(index)], [int(view)], 2)[0]))
@@ -433,7 +468,7 @@ def as_augment(augment):
         return augment if augment is not None else Augment()
     if isinstance(augment, str):
         from .pieces import is_piece, load_piece
-        if is_piece(augment):  # MODULE:FUNCTION, as on the command line
+        if is_piece(augment) and not is_builtin(augment):  # MODULE:FUNCTION, as on the command line
             return UserAugment(load_piece(augment, "--augment"), name=augment.strip())
         return Augment.parse(augment)
     return UserAugment(augment)

@@ -5,7 +5,7 @@ producer to write the cache, the trainer to find it (and to refuse a cache built
 """
 from store import CacheSpec
 
-from .augment import Augment, UserAugment
+from .augment import Augment, UserAugment, is_builtin
 from .pieces import PieceError, is_piece, load_piece
 
 # Bump when the producer's output for the same inputs changes (it is part of every fingerprint).
@@ -19,7 +19,7 @@ DEFAULT_AUGMENT_IMAGES = "crop:4,flip"
 def resolve_augment(spec, dataset_name, views):
     """--augment auto: none for one view, the data set's usual augmentation for several;
     MODULE:FUNCTION: the user's FUNCTION(image, rng)."""
-    if is_piece(spec):
+    if is_piece(spec) and not is_builtin(spec):
         return UserAugment(load_piece(spec, "--augment"), name=spec.strip())
     if spec in (None, "", "auto"):
         if views == 1:

@@ -40,12 +40,14 @@ class AugmentSpec(Allowed):
 
     rrc is torchvision's RandomResizedCrop to SIZE (N or HxW; scale 0.08-1 and ratio 3/4-4/3 by
     default), center:SIZE and eval:RESIZE/SIZE the evaluation transform (short side resized to
-    RESIZE, SIZE/0.875 for center, then the centre crop). The value: an Augment, or "auto" (it depends on the views and the data set), or the string
-    MODULE:FUNCTION (loading it imports the user's module: that waits for the data)."""
+    RESIZE, SIZE/0.875 for center, then the centre crop). The value: an Augment, or "auto" (it
+    depends on the views and the data set), or the string MODULE:FUNCTION (loading it imports the
+    user's module: that waits for the data)."""
 
     def __call__(self, s):
+        from .augment import is_builtin
         from .pieces import is_piece
-        if is_piece(str(s)):
+        if is_piece(str(s)) and not is_builtin(s):
             return str(s).strip()  # MODULE:FUNCTION(image, rng), loaded (and checked) with the data
         v = str(s).strip().lower()
         if v == "auto":

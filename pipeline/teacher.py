@@ -145,18 +145,22 @@ class Teacher:
         return self.forward(x[:2]).shape[1]
 
 
-def check_fits(teacher, dataset):
+def check_fits(teacher, dataset, augment=None, seed=0):
     """Before the first batch: the teacher takes the data set's images and predicts its classes.
 
-    Runs two samples; a mistake is one TeacherError naming both sides (the data set's image
-    shape and what the teacher expects), never MXNet's own trace."""
+    Runs two samples, as `augment` views them (rrc:SIZE changes their size); a mistake is one
+    TeacherError naming both sides (the data set's image shape and what the teacher expects),
+    never MXNet's own trace."""
+    from .augment import make_views
     shape = tuple(dataset.get_batch([0])[0].shape[1:])
     for what, vals in (("--teacher-mean", teacher.mean), ("--teacher-std", teacher.std)):
         if vals is not None and len(vals) not in (1, shape[0]):
             raise TeacherError(f"{what} has {len(vals)} values, the data set {dataset.name}'s images have "
                                f"{shape[0]} channel(s) ({'x'.join(map(str, shape))}): give one value, or one "
                                f"per channel")
-    x, _ = dataset.get_batch([0, min(1, len(dataset) - 1)])
+    idx = [0, min(1, len(dataset) - 1)]
+    x = make_views(dataset, idx, [0, 0], seed=seed, augment=augment)[0] if augment is not None else \
+        dataset.get_batch(idx)[0]
     classes = teacher.forward(x).shape[1]
     teacher.forwards = 0
     if classes != dataset.num_classes:

@@ -16,7 +16,7 @@ import logging
 import mxnet as mx
 import numpy as np
 
-from pipeline.augment import Augment, make_views
+from pipeline.augment import Augment, as_augment, make_views
 from pipeline.schedule import epoch_batches, view_of_epoch
 from store.schema import index_error
 from trainer.loss import check_targets
@@ -49,7 +49,7 @@ class SoftTargetIter(mx.io.DataIter):
         super().__init__(self.inner.batch_size if self.inner is not None else batch_size)
         self.dataset, self.targets = (None if self.inner is not None else source), targets
         self.seed, self.views = seed, views
-        self.augment = augment or Augment()
+        self.augment = as_augment(augment)  # None, a spec, an Augment, or FUNCTION(image, rng)
         self.data_name, self.label_name, self.soft_label_name = data_name, label_name, soft_label_name
         self.num_classes = int(getattr(targets, "spec", source).num_classes) if self.inner is not None \
             else int(source.num_classes)
@@ -75,7 +75,8 @@ class SoftTargetIter(mx.io.DataIter):
     def provide_data(self):
         if self.inner is not None:
             return self.inner.provide_data
-        return [mx.io.DataDesc(self.data_name, (self.batch_size,) + tuple(self.dataset.shape), np.float32)]
+        shape = self.augment.out_shape(self.dataset.shape)  # rrc:SIZE and eval views have their own size
+        return [mx.io.DataDesc(self.data_name, (self.batch_size,) + tuple(shape), np.float32)]
 
     @property
     def provide_label(self):

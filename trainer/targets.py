@@ -48,8 +48,8 @@ def producer_command(args, plan, *, split="train", online=True, threads=1, ring=
     if split == "train":
         shared = shared_argv(args, teacher=teacher, cache=plan.base if ring is None and not hold else None)
     else:
-        shared = shared_argv(args, teacher=teacher, cache=None, views=1, augment="none", codec="full",
-                             dtype="float32")
+        shared = shared_argv(args, teacher=teacher, cache=None, views=1, codec="full", dtype="float32",
+                             augment=plan.augment.eval_view() if plan is not None else "none")
     cmd = [sys.executable, "-m", "cache_builder", "--quiet", "--split", split, "--threads", str(threads), *shared]
     if result:
         cmd += ["--result", result]

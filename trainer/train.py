@@ -12,6 +12,7 @@ import numpy as np
 from mxnet import autograd, gluon
 from tqdm import tqdm
 
+from pipeline.augment import eval_views, make_views
 from pipeline.cachespec import build_spec
 from pipeline.datasets import load_dataset
 from kdcache import signals
@@ -146,6 +147,7 @@ def run(args, plan, early, threads, cores):
     train, augment = plan.train, plan.augment
     test = load_dataset(args.dataset, data_root=args.data_root, split="test", image_size=args.image_size,
                         num_classes=args.num_classes)
+    test = eval_views(test, augment)  # rrc:SIZE trains at SIZE: the test images are centre-cropped to it
     n, classes = len(train), train.num_classes
     log.info("data set %s: %d train / %d test samples, %d classes, %d view(s), augment %s; ctx %s, %d thread(s) "
              "of %d core(s)", train.name, n, len(test), classes, args.views, augment.spec, ctx, threads, cores)
@@ -155,7 +157,8 @@ def run(args, plan, early, threads, cores):
     net = get_model(args.student, classes, prefix="student_")
     net.initialize(mx.init.Xavier(), ctx=ctx)
     net.hybridize(static_alloc=True)
-    check_student(net, args.student, mx.nd.array(train.get_batch([0])[0], ctx=ctx[0]), classes)
+    check_student(net, args.student, mx.nd.array(make_views(train, [0], [0], seed=args.seed, augment=augment)[0],
+                                                 ctx=ctx[0]), classes)
 
     # targets
     producer = reader = ring = teacher = None
@@ -170,7 +173,7 @@ def run(args, plan, early, threads, cores):
         producer, ring = early.producer, early.ring
     if mode == "inline":
         teacher = load_teacher(plan.topt, args.batch_size)
-        check_fits(teacher, train)
+        check_fits(teacher, train, augment, args.seed)
         correct = 0
         for a in range(0, len(test), args.batch_size):  # in training-size batches: bounded memory
             x, y = test.get_batch(np.arange(a, min(len(test), a + args.batch_size)))
@@ -199,7 +202,7 @@ def run(args, plan, early, threads, cores):
             reader = open_reader(args, plan, producer, rank, producer_log)
             targets = lambda st: reader.get(st.indices, st.view)
         # the teacher's own test accuracy, from a (small, reusable) cache of the test split
-        tspec = build_spec(spec.inputs["teacher"], test, codec="full", dtype="float32")
+        tspec = build_spec(spec.inputs["teacher"], test, augment=augment.eval_view(), codec="full", dtype="float32")
         tbase = path_for(args.cache_dir, tspec.fingerprint)
         # Built after training when missing: during it, a third MXNet process would take the
         # trainer's or the producer's core.

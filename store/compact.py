@@ -168,7 +168,7 @@ def finalize(path, spec, *, memory_budget=None):
     name, fsync, rename) and remove the segments. Returns True when the cache is complete."""
     base = base_path(path)
     final, parts = final_path(base), parts_path(base)
-    if os.path.exists(final):
+    if is_ours(final, mine=False):
         return True
     codec = spec.make_codec()
     try:
@@ -179,7 +179,9 @@ def finalize(path, spec, *, memory_budget=None):
         raise _in_the_way(e) from None
     with open(fd, "rb") as lk:
         fcntl.flock(lk.fileno(), fcntl.LOCK_EX)
-        if os.path.exists(final):
+        if os.path.lexists(final):
+            if not is_ours(final, mine=False):  # a link or FIFO: renaming onto it would destroy it
+                raise _in_the_way(NotOurs(final, "not a cache file kdcache wrote"))
             return True
         remove_stale_tmp(final)
         if count_done(parts, spec) < spec.num_keys:

@@ -89,8 +89,8 @@ def open_swmr(path, retry_s=5.0):
         try:
             # No chunk cache: a chunk read while half written must never be served again later.
             return h5py.File(path, "r", libver="latest", swmr=True, rdcc_nbytes=0)
-        except OSError as e:
-            if time.monotonic() >= deadline:
+        except (OSError, RuntimeError) as e:  # RuntimeError: HDF5 cannot decode what it found (never retried)
+            if isinstance(e, RuntimeError) or time.monotonic() >= deadline:
                 raise UnsupportedFormatError(
                     f"{path}: cannot be opened as an HDF5 segment ({e}): it is damaged or not a kdcache "
                     f"segment; move it away or run `python -m store gc` and let the producer rebuild") from None
@@ -114,7 +114,7 @@ def open_final(path):
     _check_regular(path, "cache file")
     try:
         return h5py.File(path, "r")
-    except OSError as e:
+    except (OSError, RuntimeError) as e:
         raise UnsupportedFormatError(
             f"{path}: not a readable HDF5 file ({e}): it is truncated, damaged or of another format. "
             f"Remove it (kdcache gc removes damaged caches, or rm) and rebuild the cache") from None

@@ -77,7 +77,7 @@ class CacheWriter:
                 f"leave the path to the cache directory (<dir>/<fingerprint>) or pass the matching inputs")
         settle(self.base)  # finish what a crash left: a compaction, or segments beside the file
         for _ in range(10):
-            if os.path.exists(self.final):
+            if os.path.lexists(self.final):  # a link or FIFO there is refused in one line
                 check_final_matches(self.final, spec)
                 self.complete = True
                 self._todo = np.zeros(spec.num_keys, dtype=bool)

@@ -214,7 +214,8 @@ def test_no_entry_under_kdcache_names_hangs_crashes_or_is_touched(template, othe
                 path = os.path.join(folder, PART_NAMES[i % len(PART_NAMES)].format(pid=pid))
             if any(path.startswith(k + os.sep) for k in keep):
                 continue  # inside an entry that is itself planted
-            keep.pop(path, None)
+            for k in [k for k in keep if k == path or k.startswith(path + os.sep)]:
+                del keep[k]  # replaced with what is planted now
             if plant(path, kind, outside):
                 keep[path] = None
         for p in keep:

@@ -20,6 +20,11 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MXNET_SUBGRAPH_VERBOSE": "0", "KDC
 BAD_INT = ["0", "-1", "-3", "x", "1.5", "", "99999999999999"]
 BAD_FLOAT = ["-1", "nan", "inf", "-inf", "x", ""]
 
+# Built-in views that give 8x8 images whatever the data set's size (the teachers take 8x8), and whether
+# views of one sample differ (the evaluation transform gives every view the same image).
+VIEW_SIZE = {"rrc:8": True, "rrc:8,flip": True, "rrc:8,scale=0.5-1,ratio=3/4-4/3": True, "center:8": False,
+             "eval:9/8": False}
+
 # flag -> (values valid on their own, values invalid whatever else is given); expected_ok decides
 # what a valid value needs of the rest of the command line
 SHARED = {
@@ -29,8 +34,9 @@ SHARED = {
     "--image-size": (["8x8", "32x32", "8X8"], ["0x0", "8", "x8"]),
     "--num-classes": (["3", "10"], ["1", "0"]),
     "--views": (["1", "2"], BAD_INT),
-    "--augment": (["auto", "none", "crop:1", "flip", "crop:1,flip", "door_aug:shift"],
-                  ["crop:-1", "crop:x", "bogus", "crop:1000", "nosuch_module:f"]),
+    "--augment": (["auto", "none", "crop:1", "flip", "crop:1,flip", "door_aug:shift", *VIEW_SIZE],
+                  ["crop:-1", "crop:x", "bogus", "crop:1000", "nosuch_module:f", "rrc:0", "rrc:8,scale=0-1",
+                   "rrc:8,scale=0.9-0.5", "rrc:8,ratio=0-1", "rrc:8,foo=1", "center:8,flip"]),
     "--seed": (["0", "7"], ["-1", "x", "1e3"]),
     "--codec": (["full", "topk:3", "topk:10", "TOPK:2", "int8"], ["topk:0", "topk:x", "topk:-1", "topk:11", "bogus", ""]),
     "--dtype": (["float16", "float32"], ["float64", ""]),
@@ -127,7 +133,7 @@ def expected_ok(cmd, pairs):
     if "--image-size" in d and kind not in FILES or "--num-classes" in d and kind != "recordio":
         return False
     channels, classes = (3, int(d.get("--num-classes", 3))) if kind in FILES else (1, 10)
-    if int(d.get("--views", 1)) > 1 and d.get("--augment") == "none":
+    if int(d.get("--views", 1)) > 1 and (d.get("--augment") == "none" or VIEW_SIZE.get(d.get("--augment")) is False):
         return False
     if d.get("--codec") == "int8" and d.get("--dtype", "float16") != "float16":
         return False
@@ -135,8 +141,9 @@ def expected_ok(cmd, pairs):
     if mode == "none":  # no teacher: nothing of the teacher may be named
         return not any(f in d for f in ("--teacher-input", "--teacher-mean", "--teacher-std", "--teacher-size",
                                         "--cache", "--producer-threads"))
-    if (d.get("--teacher-size") or d.get("--image-size") or ("5x4" if kind in FILES else "8x8")).lower() != "8x8":
-        return False  # the teachers take 8x8 images
+    if (d.get("--teacher-size") or ("8x8" if d.get("--augment") in VIEW_SIZE else None) or d.get("--image-size")
+            or ("5x4" if kind in FILES else "8x8")).lower() != "8x8":
+        return False  # the teachers take 8x8 images (rrc:8 and center:8 views are 8x8)
     if any(f in d and len(d[f].split(",")) not in (1, channels) for f in ("--teacher-mean", "--teacher-std")):
         return False
     if classes != 3 and kind in FILES:  # the image teacher predicts 3 classes
@@ -343,7 +350,8 @@ def test_store_commands(world, cmd, pairs, path):
 
 # Words whose parsed value once formatted back to another value.
 TRICKY = {"--cache": ["x.h5.parts", "x.parts.h5", "x.h5.h5", "auto.h5", "x/"],
-          "--augment": ["CROP:2,FLIP", "crop:0", " flip "], "--dataset": ["Synthetic:n=10", " digits"],
+          "--augment": ["CROP:2,FLIP", "crop:0", " flip ", "RRC:8, FLIP", "rrc:8x6,ratio=3/4-4/3", "center:8",
+                        "rrc:8,scale=1/3-1", "eval:9/8x8"], "--dataset": ["Synthetic:n=10", " digits"],
           "--teacher-mean": ["-0.5,1e-300", "1e308"], "--image-size": ["08x8", " 8 x 8 "]}
 
 

@@ -138,3 +138,16 @@ def main(argv=None):
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def label_cache(folder):
+    """(digits data set, path) of a complete float32 cache whose 'teacher' is the labels (one-hot x 8):
+    enough to check the plumbing of a reader or an iterator learns and serves the right rows."""
+    from pipeline import load_dataset
+    from store import CacheSpec, CacheWriter, path_for
+    ds = load_dataset("digits")
+    spec = CacheSpec(num_samples=len(ds), num_classes=10, dtype="float32", inputs={"teacher": "labels"})
+    p = path_for(str(folder), spec.fingerprint)
+    with CacheWriter(p, spec) as w:
+        w.write(np.arange(len(ds)), np.eye(10, dtype=np.float32)[ds.labels] * 8)
+    return ds, p

@@ -324,16 +324,12 @@ def test_check_finite_names_the_cause_for_a_users_loop():
 
 
 def test_soft_target_iter_refuses_non_finite_targets(tmp_path):
-    from pipeline import load_dataset
-    from store import CacheReader, CacheSpec, CacheWriter, path_for
+    from store import CacheReader
     from store.registry import final_path
+    from tests.helpers import label_cache
     from trainer import SoftTargetIter
     from trainer.loss import NonFiniteError
-    ds = load_dataset("digits")
-    spec = CacheSpec(num_samples=len(ds), num_classes=10, dtype="float32", inputs={"teacher": "labels"})
-    p = path_for(str(tmp_path), spec.fingerprint)
-    with CacheWriter(p, spec) as w:
-        w.write(np.arange(len(ds)), np.eye(10, dtype=np.float32)[ds.labels] * 8)
+    ds, p = label_cache(tmp_path)
     with h5py.File(final_path(p), "r+") as f:
         f["logits"][500, 0, 2] = np.inf
     it = SoftTargetIter(ds, CacheReader(p), batch_size=64, seed=0)

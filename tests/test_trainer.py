@@ -246,15 +246,11 @@ def test_a_producer_that_dies_ends_training_with_a_clear_error(teacher, tmp_path
 
 def test_module_api_trains_with_soft_target_iter(tmp_path):
     import mxnet as mx
-    from pipeline import load_dataset
-    from store import CacheSpec, CacheWriter, CacheReader, path_for
+    from store import CacheReader
+    from tests.helpers import label_cache
     from trainer import SoftTargetIter, kd_symbol
-    ds = load_dataset("digits")
     # soft targets: a one-hot-ish "teacher" from the labels, enough to check the plumbing learns
-    spec = CacheSpec(num_samples=len(ds), num_classes=10, dtype="float32", inputs={"teacher": "labels"})
-    p = path_for(str(tmp_path), spec.fingerprint)
-    with CacheWriter(p, spec) as w:
-        w.write(np.arange(len(ds)), np.eye(10, dtype=np.float32)[ds.labels] * 8)
+    ds, p = label_cache(tmp_path)
     it = SoftTargetIter(ds, CacheReader(p), batch_size=64, seed=0)
     b = it.next()
     assert [d.name for d in it.provide_label] == ["softmax_label", "soft_label"]

@@ -94,7 +94,7 @@ def test_reader_waiting_on_a_killed_producer_errors_within_seconds(cache_dir):
     p = path_for(cache_dir, spec.fingerprint)
     prod = helper("produce", "--path", p, "--batch", 10, "--delay", 0.05, *spec_args(spec))
     deadline = time.monotonic() + 30
-    while not os.path.isdir(parts_path(p)) or not os.listdir(parts_path(p)):
+    while not os.path.exists(os.path.join(parts_path(p), schema.MANIFEST)):  # the lock comes first
         assert time.monotonic() < deadline
         time.sleep(0.05)
     r = CacheReader(p, spec=spec, grace_s=0.0)

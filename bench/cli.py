@@ -27,8 +27,8 @@ def tmp_option(help):
 def trainer_option(dest):
     """The trainer's option `dest`, its own or one it shares with the producer (imported here, not at the
     top: trainer.options loads numpy, and a benchmark fixes its threads first)."""
-    from pipeline.options import SHARED_BY_DEST
-    from trainer.options import TRAINER
+    from kdcache.pipeline.options import SHARED_BY_DEST
+    from kdcache.trainer.options import TRAINER
     return {**SHARED_BY_DEST, **{o.dest: o for o in TRAINER}}[dest]
 
 

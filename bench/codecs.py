@@ -3,11 +3,11 @@
     python -m bench.codecs [--quick] [--datasets digits,mnist5k,synthetic] [--seeds 5] [--jobs 2]
 
 For each data set (digits, mnist5k, and a synthetic 1000-class case) the teacher fills one cache
-per codec (`python -m cache_builder`, offline): full float32 (the teacher's exact logits), full
+per codec (`python -m kdcache.cache_builder`, offline): full float32 (the teacher's exact logits), full
 float16, topk:1, topk:5, topk:10 (only where K < C) and int8. Each cache is read back through
 the store and compared with the exact logits: bytes per row, mean T^2 * KL(teacher || rebuilt)
 at T = 1, 4 and 20 (for top-K beside the ideal top-K with an even tail made from the exact
-logits, and their ratio), top-1 agreement. Then the same student (`python -m trainer`, mlp128,
+logits, and their ratio), top-1 agreement. Then the same student (`python -m kdcache.trainer`, mlp128,
 the README's digits setting: T = 20, alpha = 0.5, Adam lr 1e-2, batch 64) is trained from each
 cache with seeds 0..N-1 (5; 10 on mnist5k) and the same budget, beside the student from scratch (no
 teacher); on mnist5k every student sees 8 views shifted by up to 2 pixels (a cache per seed: the
@@ -203,7 +203,7 @@ def student(name, arg, prefix, mode, seed, epochs, work, kd, codec=None, dtype=N
 def read_all(path):
     import numpy as np
 
-    from store import CacheReader
+    from kdcache.store import CacheReader
     with CacheReader(path) as r:
         n, v = r.spec.num_samples, r.spec.views
         return r.get(np.repeat(np.arange(n), v), np.tile(np.arange(v), n)), r.codec.bytes_per_row, n
@@ -238,7 +238,7 @@ def run(kids, args, p, work):
     got = teachers(kids, args, names, work)
     step_s = {"teachers": round(time.perf_counter() - t0, 1)}
 
-    from pipeline.datasets import load_dataset
+    from kdcache.pipeline.datasets import load_dataset
     plan = {}
     for name in names:
         arg = DATASETS[name][0]

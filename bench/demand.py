@@ -10,7 +10,7 @@ processes with one core each (OMP_NUM_THREADS=1), the same teacher and data:
   demand_wait       (b) the offline producer serving demand, DataLoader(shuffle=True): the reader publishes the keys
                     it waits for, one item at a time
   demand_announced  (c) the same producer, DataLoader(sampler=ds.sampler()): each epoch's order announced up front
-  schedule          (d) kdcache's own schedule: `python -m cache_builder --online`, the DataLoader reading the
+  schedule          (d) kdcache's own schedule: `python -m kdcache.cache_builder --online`, the DataLoader reading the
                     schedule's order (pipeline.schedule.epoch_permutation, what epoch_batches cuts into batches)
   *_w1              (b) and (c) with num_workers=1 (not in --quick)
   demand_wait_batch (b') a prototype of a trainer change, not kdcache's API: items without targets and a

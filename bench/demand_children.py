@@ -6,7 +6,7 @@
                                          --read item|batch --workers 0|1 --ready FILE
 
 bench.demand starts each with one compute thread (bench.common.child_env); each prints one JSON line.
-`produce` is cache_builder.produce.produce_offline on the cache `python -m cache_builder` would build from
+`produce` is cache_builder.produce.produce_offline on the cache `python -m kdcache.cache_builder` would build from
 these options (its own parser and spec), with every teacher batch logged: its size, its time, and whether
 readers' demand chose it. `train` is the loop a user writes: gluon.data.DataLoader(SoftTargetDataset(...),
 batch_size=64, ...) and a small_cnn step; it writes --ready once loaded, then waits for the cache to appear
@@ -43,7 +43,7 @@ def child_prepare(root, reps, tries, epoch_s, min_steps, max_steps, target):
     whose forward/step ratio lands nearest `target`, and size the data set to about epoch_s of student steps."""
     import mxnet as mx
     from mxnet import autograd
-    from pipeline.teacher import Teacher
+    from kdcache.pipeline.teacher import Teacher
     out_dir = os.path.join(root, "teachers")
     os.makedirs(out_dir, exist_ok=True)
     mx.random.seed(SEED)
@@ -108,8 +108,8 @@ def student(classes):
     """small_cnn with the trainer's optimiser and KD loss, as a user's loop would set them up."""
     import mxnet as mx
     from mxnet import gluon
-    from trainer.loss import KDLoss
-    from trainer.models import get_model
+    from kdcache.trainer.loss import KDLoss
+    from kdcache.trainer.models import get_model
     net = get_model(STUDENT, classes, prefix="student_")
     net.initialize(mx.init.Xavier())
     net.hybridize(static_alloc=True)
@@ -120,14 +120,14 @@ def student(classes):
 
 # -- produce: the offline producer, every batch logged --------------------------------------------------
 def child_produce(a):
-    """produce_offline (demand on or off) into the cache `python -m cache_builder --cache PATH` would fill."""
-    import cache_builder.produce as produce
-    from cache_builder.__main__ import parse_args as producer_args
-    from pipeline.cachespec import spec_from_args
-    from pipeline.checkpoint import TeacherOptions
-    from pipeline.datasets import load_dataset
-    from pipeline.teacher import check_fits, load_teacher
-    from store import CacheWriter
+    """produce_offline (demand on or off) into the cache `python -m kdcache.cache_builder --cache PATH` would fill."""
+    import kdcache.cache_builder.produce as produce
+    from kdcache.cache_builder.__main__ import parse_args as producer_args
+    from kdcache.pipeline.cachespec import spec_from_args
+    from kdcache.pipeline.checkpoint import TeacherOptions
+    from kdcache.pipeline.datasets import load_dataset
+    from kdcache.pipeline.teacher import check_fits, load_teacher
+    from kdcache.store import CacheWriter
     args = producer_args(["--teacher", a.teacher, "--dataset", a.dataset, "--cache", a.cache, "--threads", "1",
                           "--batch-size", str(BATCH), "--seed", str(SEED), "--quiet"])
     topt = TeacherOptions.from_args(args)
@@ -181,7 +181,7 @@ def batch_summary(batches):
 def measured_dataset():
     """SoftTargetDataset that adds each item's wait for its target to counters in shared memory, so a
     DataLoader worker's waits reach the main process (set up before the DataLoader forks its workers)."""
-    from trainer.softdata import SoftTargetDataset
+    from kdcache.trainer.softdata import SoftTargetDataset
 
     class Measured(SoftTargetDataset):
         def __init__(self, *args, **kw):
@@ -203,9 +203,9 @@ def measured_dataset():
 def child_train(a):
     import mxnet as mx
     from mxnet import autograd, gluon
-    from pipeline.datasets import load_dataset
-    from pipeline.schedule import epoch_permutation
-    from store import CacheNotFoundError
+    from kdcache.pipeline.datasets import load_dataset
+    from kdcache.pipeline.schedule import epoch_permutation
+    from kdcache.store import CacheNotFoundError
     np.random.seed(SEED)  # DataLoader(shuffle=True) draws its order from numpy's global generator
     mx.random.seed(SEED)
     data = load_dataset(a.dataset, split="train")

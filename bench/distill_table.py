@@ -4,7 +4,7 @@
 
 The evidence table the README quotes, in the manner of Hinton et al. 2015 (MNIST: teacher 67
 errors, student from scratch 146, distilled student 74). It trains the teacher
-(`python -m trainer.make_teacher`, or reuses `--teacher PREFIX`), then for each seed 0..N-1
+(`python -m kdcache.trainer.make_teacher`, or reuses `--teacher PREFIX`), then for each seed 0..N-1
 trains the student three times with the same budget (epochs, learning rate, batch size, seed:
 the same initialisation and the same schedule):
 
@@ -41,8 +41,8 @@ from bench.common import (BenchError, Children, heading, machine, make_log, md_t
     scratch_dir, spread, utc_now, write_report)
 from bench.cli import RUN, like, out_option, parse_args, quick_option, tmp_option, trainer_option  # noqa: E402
 from kdcache.args import Int, Option  # noqa: E402
-from pipeline.options import resolve_teacher  # noqa: E402
-from trainer import make_teacher  # noqa: E402
+from kdcache.pipeline.options import resolve_teacher  # noqa: E402
+from kdcache.trainer import make_teacher  # noqa: E402
 
 DEFAULT_OUT = os.path.join("bench", "results", "distill.json")
 
@@ -225,7 +225,7 @@ def run(kids, args, p, work):
                                                      p["epochs"] - 1)
         per_seed.append(res)
 
-    from pipeline.datasets import load_dataset
+    from kdcache.pipeline.datasets import load_dataset
     n_test = len(load_dataset("digits", split="test"))
     n_train = len(load_dataset("digits", split="train"))
     # The teacher's accuracy as the trainer measured it (inline: the loaded checkpoint on the test split).

@@ -16,7 +16,7 @@ of 8) and depth are calibrated so that its forward of a batch takes about 1/3 (l
 are printed.
 
 Scenarios, for each pair, each with a fresh cache directory where one is used:
-  student_only   python -m trainer --teacher-mode none: the limit any KD method can reach
+  student_only   python -m kdcache.trainer --teacher-mode none: the limit any KD method can reach
   inline         --teacher-mode inline: teacher forward then student step, batch by batch
   inline_async   a loop of this benchmark (same data, schedule, student, KDLoss) that issues the teacher's
                  forward of the next batch before the student's step and never waits for it:
@@ -29,7 +29,7 @@ Scenarios, for each pair, each with a fresh cache directory where one is used:
   warm           a second experiment on the cache `online` completed: no teacher at all
   ring           --store ring: streamed through shared memory, nothing persisted
 Floors use two more measurements of each pair: "teacher alone" (the producer's offline loop,
-cache_builder.produce.produce_offline, as `python -m cache_builder --threads 1` runs it in a process
+cache_builder.produce.produce_offline, as `python -m kdcache.cache_builder --threads 1` runs it in a process
 of its own, filling the train split into a fresh cache: rows/s of the loop -> seconds per epoch; the
 median of 3 passes, --quick 1) and "student alone" (student_only's epoch 1). Epochs vary by several
 per cent from run to run here, so student_only, online and ring run twice more (one epoch each,
@@ -283,7 +283,7 @@ def main(argv=None):
     print("\nTeacher: (Conv-BN-ReLU x2, MaxPool) at widths w, 2w, 4w with the extra Conv-BN-ReLU at 4w, global "
           "average pool, Dense(10); forward via "
           "pipeline.teacher (the producer's and inline mode's runner). Teacher alone: the producer's offline loop "
-          "(cache_builder.produce.produce_offline) as `python -m cache_builder --threads 1` runs it in a process of "
+          "(cache_builder.produce.produce_offline) as `python -m kdcache.cache_builder --threads 1` runs it in a process of "
           f"its own, filling the train split into a fresh cache, nothing else running: rows/s of the loop (start-up "
           f"excluded), median of {p['repeats']} pass(es). Student alone: student_only's epoch 1, median of "
           f"{p['repeats']} run(s).\n")

@@ -19,7 +19,7 @@ import numpy as np
 from bench.cli import RUN, check_child, like, parse_args, trainer_option
 from bench.kd_scenarios import BATCH, CLASSES, SEED, SHAPE, STUDENT, TARGETS
 from kdcache.args import Allowed, Choice, Dir, Float, Int, Option, fail
-from pipeline.options import resolve_teacher
+from kdcache.pipeline.options import resolve_teacher
 
 FIRST_SHAPE = {"light": (16, 0), "heavy": (40, 1)}  # the calibration's first guesses (width, extra convs)
 
@@ -51,7 +51,7 @@ TEACHER_SHAPES = sorted(((w, e) for w in range(8, 129, 8) for e in range(0, 5)),
 
 def trainer_defaults():
     """The trainer's own defaults (optimiser, KD loss), so the loops here train as it does."""
-    from trainer.options import build_parser
+    from kdcache.trainer.options import build_parser
     return build_parser().parse_args([])
 
 
@@ -77,11 +77,11 @@ def test_split_cache(prefix, dataset_arg, cache_dir):
     trainer looks up (trainer/train.py: build_spec(teacher, test, codec="full", dtype="float32")).
     Copied into each fresh cache directory before a run; otherwise the trainer would start a second
     producer for it, a third MXNet process on two cores, while it trains."""
-    from pipeline.cachespec import build_spec
-    from pipeline.checkpoint import teacher_identity
-    from pipeline.datasets import load_dataset
-    from pipeline.teacher import Teacher
-    from store import CacheWriter, path_for
+    from kdcache.pipeline.cachespec import build_spec
+    from kdcache.pipeline.checkpoint import teacher_identity
+    from kdcache.pipeline.datasets import load_dataset
+    from kdcache.pipeline.teacher import Teacher
+    from kdcache.store import CacheWriter, path_for
     test = load_dataset(dataset_arg, split="test")
     spec = build_spec(teacher_identity(prefix), test, codec="full", dtype="float32")
     teacher = Teacher(prefix, batch_size=BATCH)
@@ -99,9 +99,9 @@ def calibrate(out_dir, reps, tries):
     light and heavy teachers whose forward/step ratios land nearest 1/3 and 2."""
     import mxnet as mx
     from mxnet import autograd, gluon
-    from pipeline.teacher import Teacher
-    from trainer.loss import KDLoss
-    from trainer.models import get_model
+    from kdcache.pipeline.teacher import Teacher
+    from kdcache.trainer.loss import KDLoss
+    from kdcache.trainer.models import get_model
     mx.random.seed(SEED)
     rng = np.random.default_rng(SEED)
     x = rng.random((BATCH,) + SHAPE, dtype=np.float32)
@@ -184,12 +184,12 @@ def child_async(a):
     step, as trainer/train.py does. Same data, schedule, student, optimiser and KDLoss as the trainer."""
     import mxnet as mx
     from mxnet import autograd, gluon
-    from pipeline import load_dataset, make_views, schedule
-    from pipeline.augment import Augment
-    from pipeline.schedule import steps_per_epoch
-    from trainer.loss import KDLoss
-    from trainer.models import get_model
-    from trainer.train import resolve_ctx
+    from kdcache.pipeline import load_dataset, make_views, schedule
+    from kdcache.pipeline.augment import Augment
+    from kdcache.pipeline.schedule import steps_per_epoch
+    from kdcache.trainer.loss import KDLoss
+    from kdcache.trainer.models import get_model
+    from kdcache.trainer.train import resolve_ctx
     mx.random.seed(SEED)
     np.random.seed(SEED)
     ctx = resolve_ctx(a.ctx)[0]  # the door's Devices, as the trainer resolves them
@@ -203,7 +203,7 @@ def child_async(a):
         teacher.hybridize(backend="MKLDNN", static_alloc=True)
     except Exception:  # a build without oneDNN
         teacher.hybridize(static_alloc=True)
-    from pipeline.teacher import Teacher
+    from kdcache.pipeline.teacher import Teacher
     x0 = train.get_batch(np.arange(min(n, a.batch_size)))[0]
     ref = Teacher(a.teacher, batch_size=a.batch_size).forward(x0)
     if not np.allclose(teacher(mx.nd.array(x0)).asnumpy(), ref, rtol=1e-4, atol=1e-4):

@@ -33,7 +33,7 @@ log = make_log("bench.kd")
 
 # -- the stages alone --------------------------------------------------------------------------------------
 def teacher_alone(pair, prefix, dataset, root, kids, passes):
-    """The producer's offline loop as `python -m cache_builder` runs it, in a process of its own on one
+    """The producer's offline loop as `python -m kdcache.cache_builder` runs it, in a process of its own on one
     thread, filling the train split into a fresh cache, `passes` times: the loop's rows/s (start-up
     excluded) of each pass, and the median's seconds per epoch."""
     runs = []

@@ -7,7 +7,7 @@ OMP_NUM_THREADS=1 (the only knob that limits MXNet's compute threads, and it mus
 before `import mxnet`), so no side gets more cores than the other. The teacher is a small
 Gluon CNN built and exported here (explicit prefix, fixed seed); the data set is `synthetic`.
 
-1. Producer overhead: `python -m cache_builder --threads 1` filling a fresh cache offline vs a
+1. Producer overhead: `python -m kdcache.cache_builder --threads 1` filling a fresh cache offline vs a
    bare loop of the same teacher over the same batches in key order (make_views + forward, no
    store), both in a fresh child process. Both sides time only their work loop (the CLI's
    reported rows_per_s; the bare loop times itself the same way, after the same warm-up), so

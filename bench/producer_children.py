@@ -18,7 +18,7 @@ import numpy as np
 from bench.cli import RUN, check, check_child, like, parse_args, trainer_option
 from bench.flops import Meter, count_macs, measure_peak, one_thread
 from kdcache.args import Choice, Option, OutFile
-from pipeline.options import resolve_teacher
+from kdcache.pipeline.options import resolve_teacher
 
 CLASSES = 10
 SHAPE = "3x32x32"
@@ -50,12 +50,12 @@ def child_export(prefix):
 def child_bare(prefix, dataset_arg, batch):
     """The teacher alone over every sample in key order, the loop produce_offline runs minus the store.
 
-    Set-up mirrors `python -m cache_builder`: load the data set, load the teacher, one probe
+    Set-up mirrors `python -m kdcache.cache_builder`: load the data set, load the teacher, one probe
     forward of two samples; then only the loop is timed, as produce_offline times its loop.
     """
-    from pipeline.teacher import Teacher
-    from pipeline.augment import Augment, make_views
-    from pipeline.datasets import load_dataset
+    from kdcache.pipeline.teacher import Teacher
+    from kdcache.pipeline.augment import Augment, make_views
+    from kdcache.pipeline.datasets import load_dataset
     dataset = load_dataset(dataset_arg)
     teacher = Teacher(prefix, batch_size=batch)
     x, _ = dataset.get_batch([0, min(1, len(dataset) - 1)])

@@ -87,7 +87,7 @@ def bench_overhead(root, kids, prefix, dataset_arg, p):
                 res = kids.run(bare_argv(prefix, dataset_arg, batch), "bare teacher forward")
             else:
                 d = fresh_dir(root, "overhead")
-                res = kids.run(producer_argv(prefix, dataset_arg, d, batch), "python -m cache_builder")
+                res = kids.run(producer_argv(prefix, dataset_arg, d, batch), "python -m kdcache.cache_builder")
                 if not res.get("complete") or res.get("rows_written") != n:
                     raise RuntimeError(f"bench: the producer did not fill the cache: {res}")
                 cache_bytes = os.path.getsize(res["cache_path"])
@@ -139,7 +139,7 @@ def bench_overhead(root, kids, prefix, dataset_arg, p):
 # -- 2. two shards vs one producer ------------------------------------------------------------------
 def write_npz(root, n):
     """The section 2 data set as a user's file: synthetic images (uint8 NHWC) and labels."""
-    from pipeline.datasets import load_synthetic  # numpy only: no MXNet in this process
+    from kdcache.pipeline.datasets import load_synthetic  # numpy only: no MXNet in this process
     d = load_synthetic("train", n=n, classes=CLASSES, shape=tuple(int(s) for s in SHAPE.split("x")))
     path = os.path.join(root, f"shards-{n}.npz")
     np.savez(path, x_train=d.data.transpose(0, 2, 3, 1), y_train=d.labels)

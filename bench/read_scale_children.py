@@ -75,7 +75,7 @@ def gather_epoch(reader, seed, view=None):
 
 
 def child(path, mode, sync, seed, memory_budget, wait_s, view):
-    from store import CacheReader  # numpy and h5py with it
+    from kdcache.store import CacheReader  # numpy and h5py with it
     before = smaps_rollup()  # the interpreter, numpy, h5py and store: what any reader process holds anyway
     t0 = time.perf_counter()
     reader = CacheReader(path, mmap=(mode == "map"), memory_budget=memory_budget)

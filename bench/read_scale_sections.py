@@ -12,8 +12,8 @@ import numpy as np
 from bench.common import Children, make_log, python_m
 from bench.read_scale_children import BATCH, mapping_pss, smaps_rollup
 from bench.store_gather import epoch_batches, timed_rounds
-from store import CacheReader, CacheSpec, CacheWriter, path_for
-from store.osutil import available_memory
+from kdcache.store import CacheReader, CacheSpec, CacheWriter, path_for
+from kdcache.store.osutil import available_memory
 
 FLOORS = {"map_vs_numpy_gather": (">=", 0.5), "pss_map_vs_file": ("<=", 1.25)}
 POOL = 4093  # distinct random rows, tiled over the keys: generating logits must not dominate a write

@@ -11,7 +11,7 @@ import numpy as np
 
 from bench.common import md_table, rate, verdict
 from bench.store_write import BATCH, build_cache, teacher_logits
-from store import CacheReader
+from kdcache.store import CacheReader
 
 FLOORS = {"gather_vs_numpy": 0.5, "gather_vs_per_sample_files": 20.0}
 

@@ -9,7 +9,7 @@ import time
 import numpy as np
 
 from bench.common import Children, md_table, rate, verdict
-from store import CacheNotFoundError, CacheReader, CacheSpec, CacheWriter, path_for
+from kdcache.store import CacheNotFoundError, CacheReader, CacheSpec, CacheWriter, path_for
 
 BATCH = 256  # rows per write and per gather: a trainer's batch
 FLOORS = {"shuffled_vs_ordered_write_c10": 0.5, "shuffled_vs_ordered_write_c1000": 0.5}
@@ -151,7 +151,7 @@ def bench_bytes_per_row(root, p, rng):
 # -- 6. a committed row's visibility to a reader ---------------------------------------------------
 VISIBILITY_WRITER = """
 import sys, time, numpy as np
-from store import CacheSpec, CacheWriter
+from kdcache.store import CacheSpec, CacheWriter
 spec = CacheSpec(num_samples=int(sys.argv[2]), num_classes=8, dtype="float32", inputs={"bench": "visibility"})
 t0 = float(sys.argv[3])
 with CacheWriter(sys.argv[1], spec) as w:

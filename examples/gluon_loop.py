@@ -16,9 +16,9 @@ import mxnet as mx
 import numpy as np
 from mxnet import autograd, gluon
 
-from pipeline import load_dataset
-from trainer import SoftTargetDataset
-from trainer.loss import KDLoss
+from kdcache.pipeline import load_dataset
+from kdcache.trainer import SoftTargetDataset
+from kdcache.trainer.loss import KDLoss
 
 
 def student(classes):

@@ -15,9 +15,9 @@ import sys
 import mxnet as mx
 import numpy as np
 
-from pipeline import load_dataset
-from store import CacheReader
-from trainer import SoftTargetIter, kd_symbol
+from kdcache.pipeline import load_dataset
+from kdcache.store import CacheReader
+from kdcache.trainer import SoftTargetIter, kd_symbol
 
 
 class ShuffledIter(mx.io.DataIter):

@@ -1,6 +1,6 @@
 """python -m kdcache: the same as the `kdcache` command."""
 import sys
 
-from kdcache.cli import main
+from kdcache.cli import entry
 
-sys.exit(main())
+sys.exit(entry())

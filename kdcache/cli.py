@@ -3,25 +3,25 @@ import sys
 
 # name -> (module whose main(argv, prog) runs it, what it does); main(argv, prog) of each module.
 COMMANDS = {
-    "teacher": ("trainer.make_teacher", "train a teacher on a data set and export it as MXNet checkpoint files"),
-    "cache": ("cache_builder.__main__", "run the teacher on the CPU and fill its soft-target cache (offline, "
+    "teacher": ("kdcache.trainer.make_teacher", "train a teacher on a data set and export it as MXNet checkpoint files"),
+    "cache": ("kdcache.cache_builder.__main__", "run the teacher on the CPU and fill its soft-target cache (offline, "
                                         "--online following the training schedule, or --ring)"),
-    "train": ("trainer.__main__", "train a student with KD from the cache (starts a producer when needed)"),
-    "launch": ("trainer.launch", "distributed training: scheduler, server and workers (dist_sync) on this "
+    "train": ("kdcache.trainer.__main__", "train a student with KD from the cache (starts a producer when needed)"),
+    "launch": ("kdcache.trainer.launch", "distributed training: scheduler, server and workers (dist_sync) on this "
                                  "machine"),
-    "ls": ("store.__main__", "list the caches in the cache directory"),
-    "inspect": ("store.__main__", "print all metadata of one cache"),
-    "verify": ("store.__main__", "check a cache's schema, flags, values and completeness (--teacher: and its "
+    "ls": ("kdcache.store.__main__", "list the caches in the cache directory"),
+    "inspect": ("kdcache.store.__main__", "print all metadata of one cache"),
+    "verify": ("kdcache.store.__main__", "check a cache's schema, flags, values and completeness (--teacher: and its "
                                  "logits against the teacher, on sampled keys)"),
-    "gc": ("store.__main__", "remove incomplete, damaged or unused caches and stale shared-memory rings"),
-    "options": ("pipeline.options", "the options the producer and the trainer share, with their defaults"),
+    "gc": ("kdcache.store.__main__", "remove incomplete, damaged or unused caches and stale shared-memory rings"),
+    "options": ("kdcache.pipeline.options", "the options the producer and the trainer share, with their defaults"),
 }
 STORE_COMMANDS = ("ls", "inspect", "verify", "gc")
 # The commands that write, start processes or import MXNet take Ctrl-C and SIGTERM at their safe
 # points (kdcache.signals); the others as they come.
 DEFERRING = ("teacher", "cache", "train", "launch")
 # `kdcache verify PATH --teacher PREFIX` runs the teacher (MXNet), which the store never imports.
-TEACHER_VERIFY = "cache_builder.verify"
+TEACHER_VERIFY = "kdcache.cache_builder.verify"
 
 
 def teacher_verify(rest):
@@ -35,9 +35,20 @@ def usage():
     lines = ["usage: kdcache COMMAND [options]   (kdcache COMMAND --help for a command's options)", "",
              f"kdcache {__version__}: knowledge distillation from a cached teacher. Commands:", ""]
     lines += [f"  {name.ljust(width)}  {what}" for name, (_, what) in COMMANDS.items()]
-    lines += ["", "The same jobs run as python -m cache_builder, python -m trainer, python -m trainer.launch,",
-              "python -m trainer.make_teacher and python -m store; the Makefile's targets call this command."]
+    lines += ["", "The same jobs run as python -m kdcache.cache_builder, python -m kdcache.trainer,",
+              "python -m kdcache.trainer.launch, python -m kdcache.trainer.make_teacher and python -m kdcache.store;",
+              "the Makefile's targets call this command."]
     return "\n".join(lines)
+
+
+def entry():
+    """The `kdcache` program (console script and python -m kdcache): signals are deferred from here
+    to the process's end. main() restores the handlers it found when it returns, which a program
+    calling it needs; a process that did so would take a SIGTERM arriving during the interpreter's
+    exit (MXNet's destructors run for a while there) by its default action and end with -15."""
+    from kdcache import signals
+    signals.defer()
+    return main()
 
 
 def main(argv=None):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pipeline import DatasetError
+from kdcache.pipeline import DatasetError
 
 
 # --- writers of the real formats ---------------------------------------------------------

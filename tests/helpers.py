@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from store import CacheSpec, CacheWriter
+from kdcache.store import CacheSpec, CacheWriter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # What a test's child process runs with: the clone's packages, one compute thread, MXNet quiet.
@@ -84,7 +84,7 @@ def follow(path, spec, *, timeout=60.0):
     """Reader process: verify every row as it appears until the cache is complete.
     Returns (rows verified, rows that differed from the teacher's output)."""
     import json
-    from store import CacheReader, CacheNotFoundError
+    from kdcache.store import CacheReader, CacheNotFoundError
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -143,8 +143,8 @@ if __name__ == "__main__":
 def label_cache(folder):
     """(digits data set, path) of a complete float32 cache whose 'teacher' is the labels (one-hot x 8):
     enough to check the plumbing of a reader or an iterator learns and serves the right rows."""
-    from pipeline import load_dataset
-    from store import CacheSpec, CacheWriter, path_for
+    from kdcache.pipeline import load_dataset
+    from kdcache.store import CacheSpec, CacheWriter, path_for
     ds = load_dataset("digits")
     spec = CacheSpec(num_samples=len(ds), num_classes=10, dtype="float32", inputs={"teacher": "labels"})
     p = path_for(str(folder), spec.fingerprint)

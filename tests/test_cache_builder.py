@@ -52,7 +52,7 @@ def teachers(tmp_path_factory):
 
 
 def cli(*args, check=True):
-    r = subprocess.run([sys.executable, "-m", "cache_builder", "--quiet", "--json", *map(str, args)],
+    r = subprocess.run([sys.executable, "-m", "kdcache.cache_builder", "--quiet", "--json", *map(str, args)],
                        capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=300)
     if check:
         assert r.returncode == 0, r.stderr
@@ -63,8 +63,8 @@ def cli(*args, check=True):
 # --- teacher -----------------------------------------------------------------------------
 def test_gluon_export_round_trip(teachers):
     import mxnet as mx
-    from pipeline.teacher import Teacher
-    from pipeline import load_dataset
+    from kdcache.pipeline.teacher import Teacher
+    from kdcache.pipeline import load_dataset
     x, _ = load_dataset("digits").get_batch(np.arange(16))
     t = Teacher(teachers["gluon"])
     assert t.epoch == 0 and t.input_name == "data"
@@ -72,8 +72,8 @@ def test_gluon_export_round_trip(teachers):
 
 
 def test_module_checkpoint_round_trip_gives_logits_not_softmax(teachers):
-    from pipeline.teacher import Teacher
-    from pipeline import load_dataset
+    from kdcache.pipeline.teacher import Teacher
+    from kdcache.pipeline import load_dataset
     x, _ = load_dataset("digits").get_batch(np.arange(16))
     t = Teacher(teachers["module"])  # latest epoch found: 1
     w, b = teachers["fc"]
@@ -82,9 +82,9 @@ def test_module_checkpoint_round_trip_gives_logits_not_softmax(teachers):
 
 
 def test_teacher_preprocessing_is_applied_and_part_of_the_identity(teachers):
-    from pipeline.checkpoint import TeacherOptions
-    from pipeline.teacher import load_teacher
-    from pipeline import load_dataset
+    from kdcache.pipeline.checkpoint import TeacherOptions
+    from kdcache.pipeline.teacher import load_teacher
+    from kdcache.pipeline import load_dataset
     x, _ = load_dataset("digits").get_batch(np.arange(4))
     p_opt, n_opt = TeacherOptions(teachers["gluon"]), TeacherOptions(teachers["gluon"], mean=[0.5], std=[0.25])
     plain, norm = load_teacher(p_opt, 4), load_teacher(n_opt, 4)
@@ -98,8 +98,8 @@ def test_teacher_preprocessing_is_applied_and_part_of_the_identity(teachers):
 ])
 def test_bad_teacher_files(teachers, tmp_path, case, match):
     import shutil
-    from pipeline.teacher import Teacher
-    from pipeline.checkpoint import TeacherError
+    from kdcache.pipeline.teacher import Teacher
+    from kdcache.pipeline.checkpoint import TeacherError
     p = str(tmp_path / "t")
     if case != "missing":
         shutil.copy(teachers["gluon"] + "-symbol.json", p + "-symbol.json")
@@ -125,16 +125,16 @@ def test_unusable_teacher_outputs_are_refused_and_nothing_is_cached(teachers, tm
     assert len(r.stderr.strip().splitlines()[-1]) > 20
     import re
     assert re.search(match, r.stderr), r.stderr
-    from store.registry import cache_bases, info
+    from kdcache.store.registry import cache_bases, info
     for b in cache_bases(str(tmp_path)):
         assert info(b)["done"] == 0.0
 
 
 # --- producing ---------------------------------------------------------------------------
 def test_cache_equals_the_teacher_outputs_and_is_reused(teachers, tmp_path):
-    from pipeline.teacher import Teacher
-    from pipeline import load_dataset
-    from store import CacheReader
+    from kdcache.pipeline.teacher import Teacher
+    from kdcache.pipeline import load_dataset
+    from kdcache.store import CacheReader
     out = cli("--teacher", teachers["gluon"], "--cache-dir", tmp_path, "--dtype", "float32", "--batch-size", 100)
     ds = load_dataset("digits")
     assert out["complete"] and out["rows_written"] == len(ds) == out["teacher_forwards"]
@@ -147,9 +147,9 @@ def test_cache_equals_the_teacher_outputs_and_is_reused(teachers, tmp_path):
 
 
 def test_views_hold_the_teacher_output_of_each_augmented_view(teachers, tmp_path):
-    from pipeline.teacher import Teacher
-    from pipeline import Augment, load_dataset, make_views
-    from store import CacheReader
+    from kdcache.pipeline.teacher import Teacher
+    from kdcache.pipeline import Augment, load_dataset, make_views
+    from kdcache.store import CacheReader
     out = cli("--teacher", teachers["gluon"], "--cache-dir", tmp_path, "--views", 3, "--augment", "crop:2,flip",
               "--seed", 5, "--dtype", "float32")
     ds, t = load_dataset("digits"), Teacher(teachers["gluon"])
@@ -181,17 +181,17 @@ def test_online_follows_the_schedule_and_stops_when_complete(teachers, tmp_path)
 
 
 def test_online_writes_in_training_order(teachers, tmp_path):
-    from cache_builder.produce import CacheSink, produce_online
-    from pipeline.teacher import Teacher
-    from pipeline import load_dataset
-    from pipeline.cachespec import build_spec
-    from pipeline.checkpoint import teacher_identity
-    from pipeline.schedule import schedule
-    from store import CacheWriter, path_for
+    from kdcache.cache_builder.produce import CacheSink, produce_online
+    from kdcache.pipeline.teacher import Teacher
+    from kdcache.pipeline import load_dataset
+    from kdcache.pipeline.cachespec import build_spec
+    from kdcache.pipeline.checkpoint import teacher_identity
+    from kdcache.pipeline.schedule import schedule
+    from kdcache.store import CacheWriter, path_for
     ds = load_dataset("digits")
     spec = build_spec(teacher_identity(teachers["gluon"]), ds)
     w = CacheWriter(path_for(str(tmp_path), spec.fingerprint), spec)
-    from pipeline import Augment
+    from kdcache.pipeline import Augment
     produce_online(Teacher(teachers["gluon"]), ds, CacheSink(w), seed=9, augment=Augment(), batch_size=50,
                    epochs=1, progress=False)
     with h5py.File(w.segment_path, "r", swmr=True) as f:
@@ -212,7 +212,7 @@ def test_resume_after_kill_9_equals_an_uninterrupted_build(teachers, tmp_path):
     d = tmp_path / "killed"
     kills = 0
     for delay in (0.05, 0.2, 0.4):
-        p = subprocess.Popen([sys.executable, "-m", "cache_builder", "--quiet", *map(str, args), "--cache-dir", str(d)],
+        p = subprocess.Popen([sys.executable, "-m", "kdcache.cache_builder", "--quiet", *map(str, args), "--cache-dir", str(d)],
                              env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 120
         segs = lambda: [f for f in (os.listdir(d / (clean["fingerprint"] + ".parts")) if d.exists() and
@@ -259,7 +259,7 @@ def test_shards_2_a_killed_shard_or_command_stops_every_shard_and_a_rerun_finish
     args = ["--teacher", teachers["gluon"], "--dataset", "synthetic:n=400000,classes=10,shape=1x8x8",
             "--batch-size", 16, "--dtype", "float32", "--shards", 2]
     d = tmp_path / "killed"
-    p = subprocess.Popen([sys.executable, "-m", "cache_builder", "--quiet", *map(str, args), "--cache-dir", str(d)],
+    p = subprocess.Popen([sys.executable, "-m", "kdcache.cache_builder", "--quiet", *map(str, args), "--cache-dir", str(d)],
                          env=ENV, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if victim == "shard" else None)
     deadline = time.monotonic() + 120
@@ -293,7 +293,7 @@ def test_shards_2_a_killed_shard_or_command_stops_every_shard_and_a_rerun_finish
 def test_a_ring_for_other_targets_is_refused(teachers):
     """--ring NAME attaches to a ring whose creator expects another fingerprint: one error line,
     exit 2, nothing written into the ring."""
-    from store.ring import RingReader
+    from kdcache.store.ring import RingReader
     with RingReader(create=True, num_classes=10, fingerprint="ffff", timeout=5) as r:
         out = cli("--teacher", teachers["gluon"], "--ring", r.name, "--epochs", 1, check=False)
         assert out.returncode == 2, out.stderr
@@ -315,7 +315,7 @@ def test_bad_options_give_one_clear_line(teachers, tmp_path, args, match):
 
 
 def test_help_names_every_option():
-    r = subprocess.run([sys.executable, "-m", "cache_builder", "--help"], capture_output=True, text=True, env=ENV, cwd=ROOT)
+    r = subprocess.run([sys.executable, "-m", "kdcache.cache_builder", "--help"], capture_output=True, text=True, env=ENV, cwd=ROOT)
     for opt in ("--teacher", "--dataset", "--data-root", "--cache-dir", "--views", "--codec", "--dtype", "--seed",
                 "--epochs", "--batch-size", "--threads", "--shard", "--online", "--json", "--ring"):
         assert opt in r.stdout
@@ -340,10 +340,10 @@ def test_ctrl_c_that_python_would_swallow_still_stops_the_producer_between_batch
     destructor: "Exception ignored in ..."). The producer records it and stops at its next batch,
     with every batch before it committed; Python's own handler is back afterwards."""
     import signal
-    from cache_builder.produce import CacheSink, produce_offline, produce_online
-    from pipeline import Augment, load_dataset
-    from pipeline.cachespec import build_spec
-    from store import CacheReader, CacheWriter
+    from kdcache.cache_builder.produce import CacheSink, produce_offline, produce_online
+    from kdcache.pipeline import Augment, load_dataset
+    from kdcache.pipeline.cachespec import build_spec
+    from kdcache.store import CacheReader, CacheWriter
 
     class Teacher:  # interrupted during its third batch, inside code that swallows the exception
         calls = 0

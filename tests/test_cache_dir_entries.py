@@ -22,10 +22,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from store import CacheReader, CacheWriter, path_for, schema
-from store import __main__ as store_main
-from store.demand import Demand
-from store.errors import StoreError
+from kdcache.store import CacheReader, CacheWriter, path_for, schema
+from kdcache.store import __main__ as store_main
+from kdcache.store.demand import Demand
+from kdcache.store.errors import StoreError
 from tests.conftest import ROOT
 from tests.helpers import CHILD_ENV, make_spec, produce
 from tests.test_store_trust import partial
@@ -231,7 +231,7 @@ def test_no_entry_under_kdcache_names_hangs_crashes_or_is_touched(template, othe
 
 # --- the cases found, one by one -------------------------------------------------------------
 def store_cli(*args):
-    return subprocess.run([sys.executable, "-m", "store", *map(str, args)], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "kdcache.store", *map(str, args)], capture_output=True, text=True,
                           env=CHILD_ENV, cwd=ROOT, timeout=WITHIN)
 
 
@@ -362,7 +362,7 @@ def test_gc_ages_a_build_by_its_last_write_not_its_folder(cache_dir):
 @pytest.mark.slow
 def test_the_producer_stays_interruptible_beside_a_fifo_demand_file(teacher, tmp_path):
     d = tmp_path / "caches"
-    cmd = [sys.executable, "-m", "cache_builder", "--quiet", "--teacher", teacher, "--dataset",
+    cmd = [sys.executable, "-m", "kdcache.cache_builder", "--quiet", "--teacher", teacher, "--dataset",
            "synthetic:n=200000,classes=10,shape=1x8x8", "--batch-size", "16", "--cache-dir", str(d)]
     p = subprocess.Popen(cmd, env=CHILD_ENV, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from store import BadInputError, CacheReader, CacheSpec, CacheWriter, StoreError, make_codec, path_for, schema
-from store.registry import final_path, parts_path, verify
+from kdcache.store import BadInputError, CacheReader, CacheSpec, CacheWriter, StoreError, make_codec, path_for, schema
+from kdcache.store.registry import final_path, parts_path, verify
 from tests.helpers import CHILD_ENV, expected_logits, make_spec, produce
 
 ENV = CHILD_ENV
@@ -98,8 +98,8 @@ def test_dtype_float32_is_refused_it_does_not_apply():
 
 
 def test_the_command_lines_take_int8_and_refuse_it_with_float32(capsys):
-    from pipeline.options import Codec
-    from trainer.options import parse_args
+    from kdcache.pipeline.options import Codec
+    from kdcache.trainer.options import parse_args
     assert Codec()(" INT8") == "int8" and "int8" in Codec().allowed()
     args = parse_args(["--teacher-mode", "none", "--codec", "int8"])
     assert (args.codec, args.dtype) == ("int8", "float16")
@@ -169,7 +169,7 @@ def test_a_cache_read_while_it_is_being_written(cache_dir):
 
 
 def test_the_ring_streams_int8_rows():
-    from store.ring import SHM_DIR, RingReader, RingWriter
+    from kdcache.store.ring import SHM_DIR, RingReader, RingWriter
     name = f"kdcache-ring-{os.getpid()}-test-{secrets.token_hex(4)}"
     try:
         with RingWriter(name, capacity=16, num_classes=10, codec="int8") as w, RingReader(name, timeout=5) as r:
@@ -190,7 +190,7 @@ def test_the_ring_streams_int8_rows():
 
 
 def test_verify_compares_every_decoded_class_with_the_teacher():
-    from cache_builder.verify import compare_rows, rule
+    from kdcache.cache_builder.verify import compare_rows, rule
     fresh = expected_logits(np.arange(64), 10).astype(np.float64)
     stored = make_codec("int8", 10).encode(fresh.astype(np.float32))
     diff, tol, top, want, agree, ok = compare_rows(stored, fresh, "int8", "float16")

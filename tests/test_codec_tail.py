@@ -11,10 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from store import CacheReader, CacheSpec, CacheWriter, path_for, schema
-from store.codec import LOGTAIL_NONE, make_codec
-from store.errors import UnsupportedFormatError
-from store.fingerprint import fingerprint
+from kdcache.store import CacheReader, CacheSpec, CacheWriter, path_for, schema
+from kdcache.store.codec import LOGTAIL_NONE, make_codec
+from kdcache.store.errors import UnsupportedFormatError
+from kdcache.store.fingerprint import fingerprint
 from tests.conftest import ROOT
 
 TEMPERATURES = (1, 4, 20)
@@ -139,7 +139,7 @@ def test_an_older_cache_whose_tail_can_be_rebuilt_is_read(cache_dir):
     assert np.allclose(np.take_along_axis(got, top, axis=1), np.take_along_axis(z, top, axis=1), atol=0.02)
     for t in TEMPERATURES:
         assert kd_distance(z, got, t) <= 1.5 * kd_distance(z, ideal_topk(z, 3), t) + 1e-6
-    out = subprocess.run([sys.executable, "-m", "store", "verify", p], cwd=ROOT, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "kdcache.store", "verify", p], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
 
 
@@ -151,8 +151,8 @@ def test_an_older_cache_whose_tail_was_lost_is_refused_in_one_line(cache_dir):
     msg = str(ei.value)
     assert "\n" not in msg and "lost their tail" in msg and "rebuild" in msg and p in msg
     for cmd in (["verify", p], ["inspect", p]):
-        out = subprocess.run([sys.executable, "-m", "store", *cmd], cwd=ROOT, capture_output=True, text=True)
+        out = subprocess.run([sys.executable, "-m", "kdcache.store", *cmd], cwd=ROOT, capture_output=True, text=True)
         assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1 and "lost their tail" in out.stderr
-    ls = subprocess.run([sys.executable, "-m", "store", "--cache-dir", cache_dir, "--json", "ls"], cwd=ROOT,
+    ls = subprocess.run([sys.executable, "-m", "kdcache.store", "--cache-dir", cache_dir, "--json", "ls"], cwd=ROOT,
                         capture_output=True, text=True)
     assert ls.returncode == 0 and '"damaged"' in ls.stdout

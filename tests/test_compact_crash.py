@@ -20,8 +20,8 @@ import h5py
 import numpy as np
 import pytest
 
-from store import CacheReader, CacheWriter, path_for, schema
-from store.paths import ASIDE, COMPACT_TMP
+from kdcache.store import CacheReader, CacheWriter, path_for, schema
+from kdcache.store.paths import ASIDE, COMPACT_TMP
 from tests.conftest import ROOT
 from tests.helpers import expected_logits, make_spec
 
@@ -39,8 +39,9 @@ DEAD_PID = 2 ** 22 + 1  # above the largest pid_max Linux allows: never a live p
 PRODUCER = """
 import json, os, signal, sys, threading, time
 import h5py
-import store.compact
-from store import CacheWriter
+import kdcache.store.compact
+from kdcache import store
+from kdcache.store import CacheWriter
 from tests.helpers import expected_logits, make_spec
 spec, base, when = make_spec(**json.loads(sys.argv[1])), sys.argv[2], sys.argv[3]
 budget = None if sys.argv[4] == "ram" else 0
@@ -67,7 +68,7 @@ print(json.dumps({"complete": w.complete, **{k: t - marks["locked"] for k, t in 
 READER = """
 import json, sys
 import numpy as np
-from store import CacheReader
+from kdcache.store import CacheReader
 from tests.helpers import expected_logits, make_spec
 spec, base = make_spec(**json.loads(sys.argv[1])), sys.argv[2]
 with CacheReader(base, spec=spec, timeout=5) as r:
@@ -91,7 +92,7 @@ def py(code, *args, timeout=300):
 
 
 def store_cli(*args):
-    return subprocess.run([sys.executable, "-m", "store", *map(str, args)], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "kdcache.store", *map(str, args)], capture_output=True, text=True,
                           env=ENV, cwd=ROOT, timeout=300)
 
 
@@ -331,7 +332,8 @@ def test_gc_leaves_a_cache_whose_lock_a_live_process_holds(cache_dir, lock):
 # until gc has renamed the cache folder aside; gc waits half a second before deleting it.
 RESUMING = """
 import fcntl, os, sys, time, json
-import store.writer
+import kdcache.store.writer
+from kdcache import store
 from tests.helpers import make_spec, produce
 base, ready, renamed, where = sys.argv[1:5]
 calls = []
@@ -360,8 +362,9 @@ print(json.dumps({"complete": produce(base, make_spec(tag="resumed")), "pauses":
 """
 GC_SLOW = """
 import sys, time
-import store.paths
-from store.__main__ import main
+import kdcache.store.paths
+from kdcache import store
+from kdcache.store.__main__ import main
 finish, renamed = store.paths.finish_discard, sys.argv[2]
 def slow(aside):
     open(renamed, "w").close()

@@ -12,11 +12,12 @@ import sys
 import numpy as np
 import pytest
 
-import store.compact
-import store.writer
-from store import CacheReader, CacheWriter, StoreError, path_for
-from store.errors import NoSpaceError
-from store.registry import final_path, parts_path
+import kdcache.store.compact
+import kdcache.store.writer
+from kdcache import store
+from kdcache.store import CacheReader, CacheWriter, StoreError, path_for
+from kdcache.store.errors import NoSpaceError
+from kdcache.store.registry import final_path, parts_path
 from tests.helpers import CHILD_ENV, ROOT, expected_logits, make_spec
 
 N, C = 20_000, 20  # 1.6 MB of float32 rows
@@ -28,8 +29,9 @@ SPEC = dict(num_samples=N, num_classes=C, tag="nospace")
 TOOL = """
 import json, sys
 import numpy as np
-import store.compact
-from store import CacheWriter, StoreError
+import kdcache.store.compact
+from kdcache import store
+from kdcache.store import CacheWriter, StoreError
 from tests.helpers import expected_logits, make_spec
 tool, path, how = sys.argv[1], sys.argv[2], sys.argv[3]
 if how == "spill":

@@ -10,11 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from store import CacheReader, CacheWriter, path_for, schema
-from store.demand import Demand, demand_path, publish, withdraw
-from store.paths import OWN_PART
-from store.registry import final_path, parts_path
-from store.segment import list_segments
+from kdcache.store import CacheReader, CacheWriter, path_for, schema
+from kdcache.store.demand import Demand, demand_path, publish, withdraw
+from kdcache.store.paths import OWN_PART
+from kdcache.store.registry import final_path, parts_path
+from kdcache.store.segment import list_segments
 from tests.helpers import make_spec
 
 
@@ -69,9 +69,9 @@ def test_stale_malformed_and_foreign_demand_files_are_ignored(tmp_path):
 
 
 def test_the_producer_writes_what_a_reader_announces_first_and_compacts(tmp_path):
-    from cache_builder.produce import produce_offline
-    from pipeline import Augment, load_dataset
-    from pipeline.cachespec import build_spec
+    from kdcache.cache_builder.produce import produce_offline
+    from kdcache.pipeline import Augment, load_dataset
+    from kdcache.pipeline.cachespec import build_spec
     data = load_dataset("synthetic:n=300,classes=10,shape=1x4x4")
     spec = build_spec({"name": "fake"}, data, codec="full", dtype="float32")
     base = path_for(str(tmp_path), spec.fingerprint)
@@ -116,9 +116,9 @@ def test_a_dataset_that_waits_without_its_order_says_once_how_to_announce_it(tmp
     import threading
     import warnings
 
-    from pipeline import load_dataset
-    from pipeline.cachespec import build_spec
-    from trainer import SoftTargetDataset
+    from kdcache.pipeline import load_dataset
+    from kdcache.pipeline.cachespec import build_spec
+    from kdcache.trainer import SoftTargetDataset
     data = load_dataset("synthetic:n=60,classes=10,shape=1x4x4")
     spec = build_spec({"name": "fake"}, data, codec="full", dtype="float32")
     base = path_for(str(tmp_path), spec.fingerprint)

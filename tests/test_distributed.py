@@ -17,7 +17,7 @@ ENV = {**os.environ, "PYTHONPATH": ROOT, "MXNET_SUBGRAPH_VERBOSE": "0"}
 
 
 def launch(tmp_path, *args, workers=2, popen=False):
-    cmd = [sys.executable, "-m", "trainer.launch", "--workers", str(workers), "--",
+    cmd = [sys.executable, "-m", "kdcache.trainer.launch", "--workers", str(workers), "--",
            "--quiet", "--runs-dir", str(tmp_path / "runs"), "--cache-dir", str(tmp_path / "caches"), *map(str, args)]
     if popen:
         return subprocess.Popen(cmd, env=ENV, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -219,7 +219,7 @@ def test_host_option_listens_on_the_address_given(tmp_path):
     ip = external_address()
     if ip is None:
         pytest.skip("this machine has no non-loopback IPv4 address to listen on")
-    cmd = [sys.executable, "-m", "trainer.launch", "--workers", "2", "--host", ip, "--",
+    cmd = [sys.executable, "-m", "kdcache.trainer.launch", "--workers", "2", "--host", ip, "--",
            "--quiet", "--runs-dir", str(tmp_path / "runs"), "--cache-dir", str(tmp_path / "caches"),
            *map(str, JOB), "--run", "ext"]
     p = subprocess.Popen(cmd, env=ENV, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -230,6 +230,6 @@ def test_host_option_listens_on_the_address_given(tmp_path):
 def test_host_must_be_an_address_of_this_machine():
     for bad, says in (("example", "not an IPv4 address"), ("0.0.0.0", "not 0.0.0.0"),
                       ("203.0.113.7", "not an address of this machine")):
-        r = subprocess.run([sys.executable, "-m", "trainer.launch", "--host", bad, "--", "--teacher-mode", "none"],
+        r = subprocess.run([sys.executable, "-m", "kdcache.trainer.launch", "--host", bad, "--", "--teacher-mode", "none"],
                            env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert r.returncode == 2 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, (bad, r.stderr)

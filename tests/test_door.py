@@ -359,7 +359,7 @@ def test_shared_options_round_trip():
     """The producer command line the trainer builds for its child: every shared option's parsed value,
     formatted back to a word and parsed again by the child, is the same value."""
     from hypothesis import given as given_
-    from pipeline.options import SHARED
+    from kdcache.pipeline.options import SHARED
 
     @settings(max_examples=300, derandomize=True, database=None)
     @given_(st.sampled_from([o for o in SHARED if not o.action]), st.data())

@@ -1,4 +1,4 @@
-"""The producer python -m trainer starts first: held until the plan names the cache, ended unused
+"""The producer python -m kdcache.trainer starts first: held until the plan names the cache, ended unused
 when the plan needs none, and a ring producer that never attaches named at once."""
 import glob
 import json
@@ -19,21 +19,21 @@ DATA = "synthetic:n=700,classes=10,shape=1x8x8"
 
 
 def held(teacher, cache_dir, *extra):
-    return subprocess.Popen([sys.executable, "-m", "cache_builder", "--quiet", "--json", "--teacher", teacher,
+    return subprocess.Popen([sys.executable, "-m", "kdcache.cache_builder", "--quiet", "--json", "--teacher", teacher,
                              "--dataset", DATA, "--batch-size", "64", "--epochs", "2", "--cache-dir", str(cache_dir),
                              "--online", "--hold", *extra], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
 
 
 def fingerprint(teacher):
-    from pipeline.cachespec import build_spec
-    from pipeline.checkpoint import teacher_identity
-    from pipeline.datasets import load_dataset
+    from kdcache.pipeline.cachespec import build_spec
+    from kdcache.pipeline.checkpoint import teacher_identity
+    from kdcache.pipeline.datasets import load_dataset
     return build_spec(teacher_identity(teacher), load_dataset(DATA)).fingerprint
 
 
 def test_a_held_producer_fills_the_cache_it_is_named_as_an_ordinary_one_does(teacher, tmp_path):
-    from store import CacheReader, path_for
+    from kdcache.store import CacheReader, path_for
     fp = fingerprint(teacher)
     p = held(teacher, tmp_path / "unused")
     time.sleep(0.5)
@@ -44,7 +44,7 @@ def test_a_held_producer_fills_the_cache_it_is_named_as_an_ordinary_one_does(tea
     res = json.loads(out.strip().splitlines()[-1])
     assert res["complete"] and res["rows_written"] == res["teacher_forwards"] == 700
     assert res["cache_path"] == base + ".h5" and not (tmp_path / "unused").exists()
-    r = subprocess.run([sys.executable, "-m", "cache_builder", "--quiet", "--teacher", teacher, "--dataset", DATA,
+    r = subprocess.run([sys.executable, "-m", "kdcache.cache_builder", "--quiet", "--teacher", teacher, "--dataset", DATA,
                         "--batch-size", "64", "--epochs", "2", "--cache-dir", str(tmp_path / "plain"), "--online"],
                        capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -74,14 +74,14 @@ def test_a_held_producer_named_another_cache_refuses_in_one_line(teacher, tmp_pa
 @pytest.mark.parametrize("extra", [[], ["--online", "--ring", "r1"], ["--online", "--cache", "x"],
                                    ["--online", "--shards", "2"]])
 def test_hold_is_refused_where_it_means_nothing(teacher, tmp_path, extra):
-    r = subprocess.run([sys.executable, "-m", "cache_builder", "--teacher", teacher, "--dataset", DATA, "--hold",
+    r = subprocess.run([sys.executable, "-m", "kdcache.cache_builder", "--teacher", teacher, "--dataset", DATA, "--hold",
                         "--cache-dir", str(tmp_path), *extra], capture_output=True, text=True, env=ENV, cwd=ROOT,
                        timeout=120)
     assert r.returncode == 2 and "argument --hold" in r.stderr.strip().splitlines()[-1]
 
 
 def _args(teacher, tmp_path, *extra):
-    from trainer.options import parse_args
+    from kdcache.trainer.options import parse_args
     args = parse_args(["--teacher", teacher, "--dataset", DATA, "--batch-size", "64", "--epochs", "1",
                        "--runs-dir", str(tmp_path / "runs"), "--cache-dir", str(tmp_path / "c"), "--run", "r", *extra])
     args.run_name = args.run
@@ -89,8 +89,9 @@ def _args(teacher, tmp_path, *extra):
 
 
 def test_the_producer_starts_before_the_plan_and_fills_the_cache_the_plan_names(teacher, tmp_path, monkeypatch):
-    import pipeline.datasets
-    from trainer.targets import make_plan, spawn_early
+    import kdcache.pipeline.datasets
+    from kdcache import pipeline
+    from kdcache.trainer.targets import make_plan, spawn_early
 
     def no_data(*a, **k):
         raise AssertionError("the data set was loaded before the producer started")
@@ -109,7 +110,7 @@ def test_the_producer_starts_before_the_plan_and_fills_the_cache_the_plan_names(
 
 
 def test_a_held_producer_the_plan_does_not_need_is_ended_at_once(teacher, tmp_path):
-    from trainer.targets import EarlyStart, spawn_early
+    from kdcache.trainer.targets import EarlyStart, spawn_early
     args = _args(teacher, tmp_path)
     for plan in (types.SimpleNamespace(complete=True, base=str(tmp_path / "c" / "x")), None):
         early = spawn_early(args, str(tmp_path / "runs" / "r"), 1, 2)
@@ -126,9 +127,9 @@ def test_a_held_producer_the_plan_does_not_need_is_ended_at_once(teacher, tmp_pa
 
 
 def test_a_ring_producer_that_exits_before_attaching_is_named_at_once(tmp_path):
-    from pipeline.schedule import schedule
-    from store.ring import RingReader, RingWriter
-    from trainer.targets import TrainError, ring_targets
+    from kdcache.pipeline.schedule import schedule
+    from kdcache.store.ring import RingReader, RingWriter
+    from kdcache.trainer.targets import TrainError, ring_targets
     st = next(schedule(0, 1, 8, 4, 1))
     name = f"kdcache-ring-test-{os.getpid()}"
     log = tmp_path / "producer.log"
@@ -154,9 +155,9 @@ def test_the_reader_opens_as_soon_as_a_live_producer_creates_the_cache(tmp_path)
     """A trainer that gets to its cache before its producer has created it opens it once it is
     there, not after asking the live producer how it exited (which gives it seconds to exit)."""
     import threading
-    from store import CacheWriter, path_for
+    from kdcache.store import CacheWriter, path_for
     from tests.helpers import make_spec
-    from trainer.train import open_reader
+    from kdcache.trainer.train import open_reader
     spec = make_spec(num_samples=64)
     base = path_for(str(tmp_path), spec.fingerprint)
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])

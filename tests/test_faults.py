@@ -16,8 +16,8 @@ import h5py
 import numpy as np
 import pytest
 
-from store import CacheReader, CacheWriter, StoreError, UnsupportedFormatError, path_for
-from store.registry import final_path, parts_path, verify
+from kdcache.store import CacheReader, CacheWriter, StoreError, UnsupportedFormatError, path_for
+from kdcache.store.registry import final_path, parts_path, verify
 from tests.conftest import ROOT
 from tests.helpers import CHILD_ENV, expected_logits, gluon_teacher, make_spec
 
@@ -44,7 +44,7 @@ def remount(d, opts):
 
 
 def producer(*args, **kw):
-    return subprocess.run([sys.executable, "-m", "cache_builder", "--quiet", "--json", *map(str, args)],
+    return subprocess.run([sys.executable, "-m", "kdcache.cache_builder", "--quiet", "--json", *map(str, args)],
                           capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=600, **kw)
 
 
@@ -58,8 +58,8 @@ def one_error_line(r):
 
 def committed_rows_match_teacher(base, teacher, data=SYNTH):
     """Every committed row of the cache equals the teacher's output for its key."""
-    from pipeline import load_dataset
-    from pipeline.teacher import Teacher
+    from kdcache.pipeline import load_dataset
+    from kdcache.pipeline.teacher import Teacher
     with CacheReader(base) as r:
         done = np.flatnonzero(r._done)
         if done.size:
@@ -101,7 +101,7 @@ sys.path.insert(0, {ROOT!r})
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 resource.setrlimit(resource.RLIMIT_FSIZE, (300000, 300000))
 from tests.helpers import make_spec, expected_logits
-from store import CacheWriter, StoreError, path_for
+from kdcache.store import CacheWriter, StoreError, path_for
 spec = make_spec(num_samples=20000, num_classes=10)
 w = CacheWriter(path_for({str(tmp_path)!r}, spec.fingerprint), spec)
 try:
@@ -154,7 +154,7 @@ def test_cache_files_and_rings_are_not_writable_by_others(cache_dir):
     w.abort()
     produce(p, spec)
     assert not os.stat(final_path(p)).st_mode & (stat.S_IWOTH | stat.S_IWGRP)
-    from store.ring import RingReader
+    from kdcache.store.ring import RingReader
     with RingReader(create=True, capacity=8, num_classes=10) as r:
         assert stat.S_IMODE(os.stat(f"/dev/shm/{r.name}").st_mode) == 0o600
 
@@ -174,14 +174,14 @@ def test_nothing_in_a_cache_is_unpickled_or_evaluated(cache_dir):
     with h5py.File(final_path(p), "r+") as f:
         f.attrs["evil"] = np.void(pickle.dumps(Evil()))
     for cmd in ("inspect", "verify"):
-        r = subprocess.run([sys.executable, "-m", "store", cmd, final_path(p)], env=ENV, cwd=ROOT,
+        r = subprocess.run([sys.executable, "-m", "kdcache.store", cmd, final_path(p)], env=ENV, cwd=ROOT,
                            capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
     CacheReader(p).close()  # an extra attribute is inert: the cache stays usable
     with h5py.File(final_path(p), "r+") as f:
         f.attrs["inputs_json"] = json.dumps({"__class__": "os.system", "teacher": "x"})
     for cmd in ("inspect", "verify"):
-        r = subprocess.run([sys.executable, "-m", "store", cmd, final_path(p)], env=ENV, cwd=ROOT,
+        r = subprocess.run([sys.executable, "-m", "kdcache.store", cmd, final_path(p)], env=ENV, cwd=ROOT,
                            capture_output=True, text=True)
         assert r.returncode == 2 and "altered" in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
     with pytest.raises(UnsupportedFormatError, match="altered"):
@@ -216,12 +216,12 @@ def _kill_tree_check(pids):
 def _start_trainer(tmp_path, teacher, *extra):
     args = ["--teacher", teacher, "--dataset", SYNTH, "--epochs", 2, "--batch-size", 32, "--threads", 1, "--quiet",
             "--runs-dir", tmp_path / "runs", "--cache-dir", tmp_path / "caches", "--run", "r", *extra]
-    return subprocess.Popen([sys.executable, "-m", "trainer", *map(str, args)], env=ENV, cwd=ROOT,
+    return subprocess.Popen([sys.executable, "-m", "kdcache.trainer", *map(str, args)], env=ENV, cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _producer_pid(tmp_path, timeout=120):
-    from store.segment import lock_holders
+    from kdcache.store.segment import lock_holders
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for d in glob.glob(str(tmp_path / "caches" / "*.parts")):
@@ -274,7 +274,7 @@ def test_killing_or_interrupting_the_trainer_leaves_nothing_behind(teacher, tmp_
 def test_interrupted_producer_resumes(teacher, tmp_path, sig):
     n = 200000  # enough rows that the producer is still writing when Ctrl-C comes
     data = f"synthetic:n={n},classes=10,shape=1x8x8"
-    p = subprocess.Popen([sys.executable, "-m", "cache_builder", "--quiet", "--teacher", teacher, "--dataset", data,
+    p = subprocess.Popen([sys.executable, "-m", "kdcache.cache_builder", "--quiet", "--teacher", teacher, "--dataset", data,
                           "--batch-size", "16", "--cache-dir", str(tmp_path)], env=ENV, cwd=ROOT,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     while not glob.glob(str(tmp_path / "*.parts" / "seg-*")):
@@ -305,7 +305,7 @@ def test_soak_one_producer_four_readers(cache_dir):
     code = f"""
 import sys, time, json, numpy as np
 sys.path.insert(0, {ROOT!r})
-from store import CacheReader, CacheNotFoundError
+from kdcache.store import CacheReader, CacheNotFoundError
 from tests.helpers import expected_logits, make_spec
 spec = make_spec(num_samples=2_000_000, num_classes=16, dtype="float16")
 end = time.monotonic() + {seconds}
@@ -342,7 +342,7 @@ print(json.dumps({{"reads": reads, "bad": bad, "done": int(r._done.sum())}}))
 
 @pytest.mark.slow
 def test_kills_of_the_producer_cli_at_random_moments(teacher, tmp_path):
-    """kill -9 of python -m cache_builder at random moments after it starts writing (3 times;
+    """kill -9 of python -m kdcache.cache_builder at random moments after it starts writing (3 times;
     20 under make torture), then a resumed build: bitwise equal to a clean one."""
     wanted, n = (20, 600000) if TORTURE else (3, 200000)
     args = ["--teacher", teacher, "--dataset", f"synthetic:n={n},classes=10,shape=1x8x8", "--batch-size", 16,
@@ -352,7 +352,7 @@ def test_kills_of_the_producer_cli_at_random_moments(teacher, tmp_path):
     segs = lambda: glob.glob(str(tmp_path / "k" / "*.parts" / "seg-*"))
     while kills < wanted:
         before = len(segs())
-        p = subprocess.Popen([sys.executable, "-m", "cache_builder", "--quiet", *map(str, args), "--cache-dir",
+        p = subprocess.Popen([sys.executable, "-m", "kdcache.cache_builder", "--quiet", *map(str, args), "--cache-dir",
                               str(tmp_path / "k")], env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 120

@@ -1,8 +1,8 @@
 """Every command a message or a help text tells users to run names a command and options that exist.
 
 The hints are collected from the code itself: every string (f-strings with their values left out)
-in the packages and the docs that names `kdcache COMMAND`, `python -m store COMMAND`, `python -m
-cache_builder` or `python -m trainer[.launch|.make_teacher]`, with the options that follow it in
+in the packages and the docs that names `kdcache COMMAND`, `python -m kdcache.store COMMAND`, `python -m
+cache_builder` or `python -m kdcache.trainer[.launch|.make_teacher]`, with the options that follow it in
 the same phrase. Each option must be one that command's parser takes.
 """
 import argparse
@@ -18,10 +18,10 @@ import pytest
 from kdcache.cli import COMMANDS, STORE_COMMANDS, TEACHER_VERIFY
 from tests.conftest import ROOT
 
-PACKAGES = ("store", "cache_builder", "trainer", "pipeline", "kdcache", "bench")
+PACKAGES = ("kdcache", "bench")
 MODULES = {"cache_builder": "cache", "trainer": "train", "trainer.launch": "launch",
            "trainer.make_teacher": "teacher"}
-COMMAND = re.compile(r"\b(?:kdcache|python -m (store|cache_builder|trainer(?:\.launch|\.make_teacher)?))\b"
+COMMAND = re.compile(r"\b(?:kdcache|python -m kdcache\.(store|cache_builder|trainer(?:\.launch|\.make_teacher)?))\b"
                      r"(?: ([a-z][a-z-]*))?([^,;()\"'`\n]*)")
 OPTION = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 
@@ -103,7 +103,7 @@ def test_every_hinted_command_and_option_exists():
     assert not wrong, "hints name options that do not exist: " + "; ".join(sorted(set(wrong)))
 
 
-@pytest.mark.parametrize("text,bad", [("remove it (python -m store gc --damaged, or rm)", "--damaged"),
+@pytest.mark.parametrize("text,bad", [("remove it (python -m kdcache.store gc --damaged, or rm)", "--damaged"),
                                       ("run kdcache train --resume-from X", "--resume-from")])
 def test_the_collector_catches_an_option_that_does_not_exist(text, bad):
     (m,) = COMMAND.finditer(text)

@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from cache_builder.__main__ import HOLD_LINE_MAX, await_cache
+from kdcache.cache_builder.__main__ import HOLD_LINE_MAX, await_cache
 from tests.helpers import CHILD_ENV, gluon_teacher
 
 FP = "0123456789abcdef"
@@ -45,7 +45,7 @@ def test_end_of_input_ends_it_with_nothing_written():
 def test_hold_refuses_a_deep_line_in_one_line_and_writes_nothing(tmp_path):
     """The command: exit 2, one line, no traceback, no cache directory made."""
     gluon_teacher(str(tmp_path / "t"))
-    cmd = [sys.executable, "-m", "cache_builder", "--teacher", str(tmp_path / "t"), "--dataset", "digits",
+    cmd = [sys.executable, "-m", "kdcache.cache_builder", "--teacher", str(tmp_path / "t"), "--dataset", "digits",
            "--online", "--hold", "--quiet", "--cache-dir", str(tmp_path / "caches")]
     r = subprocess.run(cmd, input="[" * 200_000 + "\n", env=CHILD_ENV, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]

@@ -19,9 +19,9 @@ import mxnet as mx
 import numpy as np
 import pytest
 
-from pipeline import digests, images, load_dataset
-from pipeline.mnist5k import csv_path, load_mnist5k
-from pipeline.cachespec import build_spec
+from kdcache.pipeline import digests, images, load_dataset
+from kdcache.pipeline.mnist5k import csv_path, load_mnist5k
+from kdcache.pipeline.cachespec import build_spec
 from tests.conftest import ROOT
 from tests.datafiles import (age_files, build, dataset_error, flip_byte, make_cifar, make_folder, make_mnist, make_rec,
                              png_bytes, png_declaring, rng_for, write_big_rec, write_gz_bomb, write_npz_declaring,
@@ -251,8 +251,8 @@ def test_a_long_first_digest_shows_progress_on_stderr(tmp_path, monkeypatch, cap
 # --- headers checked before anything large is read ----------------------------------------------
 PEAK = """
 import resource, sys
-from pipeline import DatasetError
-from pipeline.formats import read_idx
+from kdcache.pipeline import DatasetError
+from kdcache.pipeline.formats import read_idx
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 try:
     read_idx(sys.argv[1], ndim=3)

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from store import BadInputError, CacheReader, path_for, schema
-from store.registry import final_path, parts_path
+from kdcache.store import BadInputError, CacheReader, path_for, schema
+from kdcache.store.registry import final_path, parts_path
 from tests.helpers import expected_logits, make_spec, produce
 
 CODECS = [("full", "float16"), ("full", "float32"), ("topk:3", "float16"), ("topk:3", "float32"),
@@ -114,7 +114,7 @@ def test_the_map_is_read_only_and_shares_the_files_pages(cache_dir):
 def test_a_reader_that_followed_the_producers_switches_to_the_map(cache_dir):
     spec = make_spec(num_samples=200, num_classes=9, views=2, codec="full", dtype="float16")
     p = path_for(cache_dir, spec.fingerprint)
-    from store import CacheWriter
+    from kdcache.store import CacheWriter
     want = spec.make_codec().decode(spec.make_codec().encode(expected_logits(np.arange(400), 9)))
     w = CacheWriter(p, spec)
     keys = np.arange(200)
@@ -138,8 +138,8 @@ def test_a_segment_removed_after_the_reader_opened_it_is_still_read(cache_dir, b
     just as its producer finished): the open file stays readable, and its new rows are taken in."""
     spec = make_spec(num_samples=300, num_classes=9, codec="full", dtype="float32")
     p = path_for(cache_dir, spec.fingerprint)
-    from store import CacheWriter
-    from store.segment import list_segments
+    from kdcache.store import CacheWriter
+    from kdcache.store.segment import list_segments
     w = CacheWriter(p, spec)
     w.write(np.arange(100), expected_logits(np.arange(100), 9))
     r = CacheReader(p, spec=spec, memory_budget=budget)
@@ -197,7 +197,7 @@ def test_files_that_cannot_be_mapped_are_read_the_old_way_and_say_why(cache_dir,
 TRUNCATED_READER = """
 import sys
 import numpy as np
-from store import CacheReader, StoreError
+from kdcache.store import CacheReader, StoreError
 from tests.helpers import make_spec
 n, c, views, codec = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 r = CacheReader(sys.argv[1], spec=make_spec(num_samples=n, num_classes=c, views=views, codec=codec, dtype="float32"))

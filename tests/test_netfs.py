@@ -6,7 +6,7 @@ import logging
 import numpy as np
 import pytest
 
-from store import CacheReader, CacheWriter, osutil, path_for
+from kdcache.store import CacheReader, CacheWriter, osutil, path_for
 from tests.helpers import expected_logits, make_spec
 
 MOUNTS = r"""22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw

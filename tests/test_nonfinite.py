@@ -40,7 +40,7 @@ def one_error_line(r):
 
 def done_keys(base, n):
     """The sample indices (view 0) whose rows a cache in progress holds."""
-    from store import CacheReader
+    from kdcache.store import CacheReader
     with CacheReader(base) as r:
         return np.setdiff1d(np.arange(n), r.missing(np.arange(n), 0))
 
@@ -51,7 +51,7 @@ def world(tmp_path_factory):
     """A folder with an augmentation that gives NaN images, and a teacher that gives NaN for the
     digits whose mean pixel is above the largest of the first 128 (samples 135, 142, ...)."""
     import mxnet as mx
-    from pipeline import load_dataset
+    from kdcache.pipeline import load_dataset
     tmp = tmp_path_factory.mktemp("nonfinite")
     (tmp / "nanaug.py").write_text(NAN_AUGMENT)
     x, _ = load_dataset("digits").get_batch(np.arange(1438))
@@ -81,7 +81,7 @@ def test_a_teacher_giving_nan_is_refused_naming_the_keys_and_nothing_of_the_batc
     line = one_error_line(r)
     assert "NaN or Inf" in line and ("sample 135 view 0" in line or "sample 142 view 0" in line), line
     assert "their input images are finite" in line and "nothing of this batch was cached" in line, line
-    from store.registry import cache_bases, info
+    from kdcache.store.registry import cache_bases, info
     [base] = cache_bases(str(d))
     # Key-order blocks of 64 (of each shard's keys): every block before the one holding 135 (142 for
     # shard 0 of 2) is kept, nothing of that block or after it. (With shards, the first to fail stops
@@ -96,12 +96,12 @@ def test_a_teacher_giving_nan_is_refused_naming_the_keys_and_nothing_of_the_batc
 
 def test_nan_from_an_online_producer_is_refused_before_the_write(tmp_path):
     """The online path (the trainer's producer) goes through the same check."""
-    from cache_builder.produce import CacheSink, produce_online
-    from pipeline import load_dataset
-    from pipeline.augment import Augment
-    from pipeline.cachespec import build_spec
-    from pipeline.checkpoint import TeacherError
-    from store import CacheWriter
+    from kdcache.cache_builder.produce import CacheSink, produce_online
+    from kdcache.pipeline import load_dataset
+    from kdcache.pipeline.augment import Augment
+    from kdcache.pipeline.cachespec import build_spec
+    from kdcache.pipeline.checkpoint import TeacherError
+    from kdcache.store import CacheWriter
 
     class Teacher:  # Inf in row 5 of its third batch
         calls = 0
@@ -122,7 +122,7 @@ def test_nan_from_an_online_producer_is_refused_before_the_write(tmp_path):
                        progress=False)
     w.abort()
     assert "NaN or Inf" in str(e.value) and "view 0" in str(e.value) and "\n" not in str(e.value)
-    from pipeline.schedule import epoch_batches
+    from kdcache.pipeline.schedule import epoch_batches
     third = epoch_batches(0, 0, 200, 32)[2]
     assert f"sample {third[5]} view 0" in str(e.value)
     assert sorted(done_keys(base, 200).tolist()) == sorted(np.concatenate(epoch_batches(0, 0, 200, 32)[:2]).tolist())
@@ -137,7 +137,7 @@ def test_nan_images_are_refused_before_the_teacher_sees_them(world):
     line = one_error_line(r)
     assert "input images of a batch hold NaN or Inf" in line and "sample 0 view 0" in line, line
     assert "the augmentation nanaug:nan_images" in line and "nothing of this batch was cached" in line, line
-    from store.registry import cache_bases, info
+    from kdcache.store.registry import cache_bases, info
     assert all(info(b)["done"] == 0.0 for b in cache_bases(str(d)))
 
 
@@ -159,7 +159,7 @@ def test_verify_with_the_teacher_counts_keys_whose_rebuilt_inputs_are_nan(world)
 
 
 def test_the_writer_names_the_keys_of_non_finite_rows(cache_dir):
-    from store import BadInputError, CacheWriter, path_for
+    from kdcache.store import BadInputError, CacheWriter, path_for
     spec = make_spec(num_samples=20, views=2)
     with CacheWriter(path_for(cache_dir, spec.fingerprint), spec) as w:
         x = expected_logits(np.arange(4), 10)
@@ -180,9 +180,9 @@ CODEC_FIELDS = [("full", "float16", "logits"), ("full", "float32", "logits"),
 @pytest.mark.parametrize("codec,dtype,field", CODEC_FIELDS)
 @pytest.mark.parametrize("value", [np.nan, -np.inf])
 def test_verify_names_the_first_key_holding_a_non_finite_value(cache_dir, codec, dtype, field, value):
-    from store import path_for, schema
-    from store.registry import final_path
-    from store.verify import verify
+    from kdcache.store import path_for, schema
+    from kdcache.store.registry import final_path
+    from kdcache.store.verify import verify
     assert field in {schema.LOGITS, schema.TOPK_VALUES, schema.TOPK_LSE, schema.TOPK_LOGTAIL, schema.INT8_LO,
                      schema.INT8_SCALE}
     spec = make_spec(num_samples=300, views=2, codec=codec, dtype=dtype, tag=f"{codec}{dtype}{field}")
@@ -202,9 +202,9 @@ def test_verify_names_the_first_key_holding_a_non_finite_value(cache_dir, codec,
 
 
 def test_verify_names_a_non_finite_value_in_a_cache_in_progress(cache_dir):
-    from store import CacheWriter, path_for
-    from store.segment import list_segments
-    from store.verify import verify
+    from kdcache.store import CacheWriter, path_for
+    from kdcache.store.segment import list_segments
+    from kdcache.store.verify import verify
     spec = make_spec(num_samples=100, views=1)
     base = path_for(cache_dir, spec.fingerprint)
     with CacheWriter(base, spec) as w:
@@ -221,8 +221,8 @@ def test_verify_names_a_non_finite_value_in_a_cache_in_progress(cache_dir):
 
 
 def test_the_store_verify_command_reports_it_and_exits_1(cache_dir, tmp_path):
-    from store import path_for
-    from store.registry import final_path
+    from kdcache.store import path_for
+    from kdcache.store.registry import final_path
     spec = make_spec(num_samples=50)
     base = path_for(cache_dir, spec.fingerprint)
     assert produce(base, spec)
@@ -234,7 +234,7 @@ def test_the_store_verify_command_reports_it_and_exits_1(cache_dir, tmp_path):
 
 
 def constant_cache(cache_dir, n, *, rows=None, codec="full", tag="const"):
-    from store import CacheWriter, path_for
+    from kdcache.store import CacheWriter, path_for
     spec = make_spec(num_samples=n, views=2, codec=codec, dtype="float16", tag=tag)
     base = path_for(cache_dir, spec.fingerprint)
     with CacheWriter(base, spec) as w:
@@ -245,7 +245,7 @@ def constant_cache(cache_dir, n, *, rows=None, codec="full", tag="const"):
 
 @pytest.mark.parametrize("codec", ["full", "topk:3", "int8"])
 def test_a_cache_whose_every_row_is_the_same_is_suspect(cache_dir, tmp_path, codec):
-    from store.verify import verify
+    from kdcache.store.verify import verify
     base = constant_cache(cache_dir, 150, codec=codec, tag=codec)
     report, problems = verify(base, block_rows=64)
     assert problems == [] and len(report["suspect"]) == 1, report
@@ -261,8 +261,8 @@ def test_a_cache_whose_every_row_is_the_same_is_suspect(cache_dir, tmp_path, cod
 
 
 def test_committed_rows_all_the_same_are_suspect_and_one_other_row_is_not(cache_dir):
-    from store import CacheWriter, path_for
-    from store.verify import verify
+    from kdcache.store import CacheWriter, path_for
+    from kdcache.store.verify import verify
     report, problems = verify(constant_cache(cache_dir, 150, rows=90, tag="partial"))
     assert any("incomplete" in p for p in problems)
     assert len(report["suspect"]) == 1 and "all 90 rows committed so far hold the same values" in report["suspect"][0]
@@ -279,7 +279,7 @@ def test_committed_rows_all_the_same_are_suspect_and_one_other_row_is_not(cache_
 # --- the trainer ------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_the_trainer_stops_at_the_first_non_finite_loss_naming_step_keys_and_cause(teacher, tmp_path):
-    from pipeline.schedule import epoch_batches
+    from kdcache.pipeline.schedule import epoch_batches
     r = kdcache(tmp_path, "cache", "--teacher", teacher, "--cache-dir", "caches", "--quiet", "--json")
     assert r.returncode == 0, r.stderr[-2000:]
     path = json.loads(r.stdout.strip().splitlines()[-1])["cache_path"]
@@ -298,7 +298,7 @@ def test_the_trainer_stops_at_the_first_non_finite_loss_naming_step_keys_and_cau
 # --- a user's own loop -------------------------------------------------------------------------
 def test_check_finite_names_the_cause_for_a_users_loop():
     import mxnet as mx
-    from trainer.loss import KDLoss, NonFiniteLossError, check_finite
+    from kdcache.trainer.loss import KDLoss, NonFiniteLossError, check_finite
     rng = np.random.default_rng(0)
     s, t = rng.normal(size=(6, 10)).astype(np.float32), rng.normal(size=(6, 10)).astype(np.float32)
     y = mx.nd.array(rng.integers(0, 10, 6))
@@ -324,11 +324,11 @@ def test_check_finite_names_the_cause_for_a_users_loop():
 
 
 def test_soft_target_iter_refuses_non_finite_targets(tmp_path):
-    from store import CacheReader
-    from store.registry import final_path
+    from kdcache.store import CacheReader
+    from kdcache.store.registry import final_path
     from tests.helpers import label_cache
-    from trainer import SoftTargetIter
-    from trainer.loss import NonFiniteError
+    from kdcache.trainer import SoftTargetIter
+    from kdcache.trainer.loss import NonFiniteError
     ds, p = label_cache(tmp_path)
     with h5py.File(final_path(p), "r+") as f:
         f["logits"][500, 0, 2] = np.inf

@@ -20,13 +20,13 @@ KDCACHE = [sys.executable, "-m", "kdcache"]
 
 
 def parsers():
-    import cache_builder.__main__ as producer
-    from trainer.options import build_parser
+    import kdcache.cache_builder.__main__ as producer
+    from kdcache.trainer.options import build_parser
     return producer.build_parser(), build_parser()
 
 
 def test_every_shared_option_has_the_same_default_on_both_sides():
-    from pipeline.options import SHARED
+    from kdcache.pipeline.options import SHARED
     producer, trainer = parsers()
     p, t = producer.parse_args([]), trainer.parse_args([])
     for o in SHARED:
@@ -36,7 +36,7 @@ def test_every_shared_option_has_the_same_default_on_both_sides():
 
 
 def test_both_command_lines_declare_each_shared_option_alike():
-    from pipeline.options import SHARED
+    from kdcache.pipeline.options import SHARED
     for parser in parsers():
         actions = {a.dest: a for a in parser._actions}
         for o in SHARED:
@@ -69,15 +69,15 @@ shared_values = st.fixed_dictionaries({}, optional={
 @given(shared_values)
 def test_the_producer_the_trainer_starts_gets_every_shared_option(values):
     """Whatever the trainer is given, its child producer parses to the same shared values."""
-    from pipeline.options import SHARED
-    from trainer.targets import producer_command
+    from kdcache.pipeline.options import SHARED
+    from kdcache.trainer.targets import producer_command
     producer, trainer = parsers()
     argv = [f"{k}={v}" for k, v in values.items()]
     args = trainer.parse_args(["--teacher", "t/teach:3", *argv])
     args.run_name, args.runs_dir = "r", RUNS  # the run's folder exists when the trainer starts its producer
     plan = types.SimpleNamespace(topt=types.SimpleNamespace(arg="t/teach:3"), base="caches/abc")
     cmd = producer_command(args, plan, threads=1)
-    assert cmd[1:3] == ["-m", "cache_builder"]
+    assert cmd[1:3] == ["-m", "kdcache.cache_builder"]
     child = producer.parse_args(cmd[3:])
     for o in SHARED:
         want = "caches/abc" if o.dest == "cache" else getattr(args, o.dest)
@@ -91,10 +91,10 @@ def makefile_pairs():
 
 
 def test_the_makefile_restates_no_default_and_names_each_flag_as_declared():
-    import cache_builder.__main__ as producer
-    from pipeline.options import SHARED
-    from trainer.launch import LAUNCHER
-    from trainer.options import TRAINER
+    import kdcache.cache_builder.__main__ as producer
+    from kdcache.pipeline.options import SHARED
+    from kdcache.trainer.launch import LAUNCHER
+    from kdcache.trainer.options import TRAINER
     text, pairs = makefile_pairs()
     declared = {o.make: o.flag for o in SHARED + TRAINER + producer.PRODUCER + LAUNCHER if o.make}
     assert pairs == declared
@@ -130,7 +130,7 @@ def test_a_producer_started_by_hand_writes_the_order_a_trainer_reads(tmp_path):
 
 def test_the_readme_options_table_is_the_declaration():
     from kdcache.args import option_table
-    from pipeline.options import SHARED
+    from kdcache.pipeline.options import SHARED
     text = open(os.path.join(ROOT, "README.md")).read()
     for flag, default, allowed, make in option_table(SHARED):
         row = f"| `{flag}` | {default} | {allowed.replace('|', chr(92) + '|')} | {make or '-'} |"

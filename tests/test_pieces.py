@@ -147,7 +147,7 @@ def test_a_student_of_another_width_is_one_line_before_training(user):
 
 
 def test_user_augment_views_are_keyed():
-    from pipeline.augment import UserAugment, key_rng
+    from kdcache.pipeline.augment import UserAugment, key_rng
 
     def jitter(image, rng):
         return image + np.float32(rng.uniform())
@@ -168,9 +168,9 @@ def test_soft_target_dataset_over_own_pieces_matches_the_teacher(user, monkeypat
     cache = json.loads(r.stdout.strip().splitlines()[-1])["cache_path"]
     monkeypatch.chdir(user)
     monkeypatch.syspath_prepend(str(user))
-    from pipeline.datasets import load_dataset
-    from pipeline.teacher import Teacher
-    from trainer import SoftTargetDataset
+    from kdcache.pipeline.datasets import load_dataset
+    from kdcache.pipeline.teacher import Teacher
+    from kdcache.trainer import SoftTargetDataset
     ds = SoftTargetDataset(load_dataset("mine:load"), cache, seed=3, views=2, augment="mine:jitter")
     teacher = Teacher(str(user / "teacher"))
     for epoch in (0, 1):

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from pipeline import load_dataset
+from kdcache.pipeline import load_dataset
 from tests.datafiles import (ALL_KINDS, FILE_KINDS, FOLDER_CLASSES, assert_pixels, build, make_cifar, make_folder,
                              make_mnist, make_rec, rng_for)
 

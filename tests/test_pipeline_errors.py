@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pipeline import load_dataset
+from kdcache.pipeline import load_dataset
 from tests.datafiles import (ALL_KINDS, FILE_KINDS, dataset_error, make_cifar, make_folder, make_mnist, make_rec,
                              png_bytes, rng_for, write_idx, write_rec)
 

@@ -6,7 +6,7 @@ import sys
 import numpy as np
 import pytest
 
-from pipeline import Augment, epoch_batches, epoch_permutation, load_dataset, make_views, schedule
+from kdcache.pipeline import Augment, epoch_batches, epoch_permutation, load_dataset, make_views, schedule
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -44,7 +44,7 @@ def test_same_key_same_view_whatever_the_batch(small):
 def test_same_key_same_view_in_another_process(small, tmp_path):
     out = tmp_path / "views.npy"
     code = ("import sys, numpy as np\n"
-            "from pipeline import Augment, load_dataset, make_views\n"
+            "from kdcache.pipeline import Augment, load_dataset, make_views\n"
             f"x, _ = make_views(load_dataset({SPEC!r}), np.array({KEYS_I[::-1].tolist()}), "
             f"np.array({KEYS_V[::-1].tolist()}), seed={SEED}, augment=Augment.parse('crop:3,flip'))\n"
             "np.save(sys.argv[1], x)\n")
@@ -152,7 +152,7 @@ def test_augment_spec_parsing():
 def test_permutation_is_the_same_in_another_process(tmp_path):
     out = tmp_path / "perm.npy"
     code = ("import sys, numpy as np\n"
-            "from pipeline.schedule import epoch_permutation\n"
+            "from kdcache.pipeline.schedule import epoch_permutation\n"
             "np.save(sys.argv[1], np.stack([epoch_permutation(7, e, 1000) for e in range(3)]))\n")
     subprocess.run([sys.executable, "-c", code, str(out)], cwd=ROOT, check=True, timeout=120,
                    env={**os.environ, "PYTHONPATH": ROOT})

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from store import CacheReader, path_for
+from kdcache.store import CacheReader, path_for
 from tests.helpers import CHILD_ENV, ROOT, expected_logits, make_spec
 
 TORTURE = os.environ.get("KDCACHE_TORTURE") == "1"
@@ -61,7 +61,7 @@ class Items:
 def test_a_thread_pool_dataloader_reads_a_cache_being_written(tmp_path, budget):
     from mxnet import gluon
 
-    from trainer import SoftTargetDataset
+    from kdcache.trainer import SoftTargetDataset
     want = expected_logits(np.arange(N), C)
     for run in range(RUNS // 2):
         proc, p, spec = start_producer(tmp_path, f"{budget}-{run}", run)

@@ -1,4 +1,4 @@
-"""The cache directory and `python -m store ls|inspect|verify|gc`."""
+"""The cache directory and `python -m kdcache.store ls|inspect|verify|gc`."""
 import json
 import os
 import signal
@@ -10,8 +10,8 @@ import h5py
 import numpy as np
 import pytest
 
-from store import CacheWriter, path_for, resolve_cache_dir, schema
-from store.registry import final_path, parts_path
+from kdcache.store import CacheWriter, path_for, resolve_cache_dir, schema
+from kdcache.store.registry import final_path, parts_path
 from tests.conftest import ROOT
 from tests.test_compact_crash import SMALL, after_every_tool, crash, small, store_cli, what_is_left  # noqa: F401
 from tests.helpers import expected_logits, make_spec, produce
@@ -19,7 +19,7 @@ from tests.helpers import expected_logits, make_spec, produce
 
 def cli(*args, env=None):
     e = {**os.environ, "PYTHONPATH": ROOT, **(env or {})}
-    return subprocess.run([sys.executable, "-m", "store", *args], capture_output=True, text=True, env=e, cwd=ROOT)
+    return subprocess.run([sys.executable, "-m", "kdcache.store", *args], capture_output=True, text=True, env=e, cwd=ROOT)
 
 
 def test_cache_dir_resolution(monkeypatch, tmp_path):

@@ -12,11 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from store.codec import make_codec
-from store.errors import (BadInputError, CacheNotFoundError, ConsumerGoneError, FingerprintMismatchError,
+from kdcache.store.codec import make_codec
+from kdcache.store.errors import (BadInputError, CacheNotFoundError, ConsumerGoneError, FingerprintMismatchError,
                           MissingTargetsError, ProducerGoneError, StoreError, UnsupportedFormatError,
                           WriterBusyError)
-from store.ring import MAX_BYTES, SHM_DIR, RingReader, RingWriter, _layout
+from kdcache.store.ring import MAX_BYTES, SHM_DIR, RingReader, RingWriter, _layout
 
 # The teacher's deterministic "logits" for key (index, epoch); the child processes exec the same source.
 EXPECTED_SRC = '''

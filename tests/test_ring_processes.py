@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from store.codec import make_codec
-from store.errors import ConsumerGoneError, ProducerGoneError
-from store.ring import RingReader, RingWriter, cleanup_stale
+from kdcache.store.codec import make_codec
+from kdcache.store.errors import ConsumerGoneError, ProducerGoneError
+from kdcache.store.ring import RingReader, RingWriter, cleanup_stale
 from tests.test_ring import EXPECTED_SRC, expected, ring_name, seg  # noqa: F401 (ring_name: a fixture)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -58,7 +58,7 @@ def kill_later(proc, delay):
 
 PRODUCER_STREAM = '''
 import sys
-from store.ring import RingWriter
+from kdcache.store.ring import RingWriter
 create = sys.argv[2] == "1"
 opts = dict(create=True, capacity=64, num_classes=10, codec="topk:4", dtype="float16") if create else dict(create=False)
 with RingWriter(sys.argv[1], timeout=20, **opts) as w:
@@ -99,7 +99,7 @@ def test_stream_5000_rows_between_processes(ring_name, tmp_path, creator):
 def test_segment_removed_when_creator_exits_without_close(ring_name, tmp_path):
     proc = spawn('''
 import sys
-from store.ring import RingWriter
+from kdcache.store.ring import RingWriter
 w = RingWriter(sys.argv[1], num_classes=3)
 w.write([0], 0, expected([0], 0, 3))
 ''', ring_name, tmp_path)
@@ -110,7 +110,7 @@ w.write([0], 0, expected([0], 0, 3))
 PRODUCER_THEN_SLEEP = '''
 import sys, time
 from multiprocessing import resource_tracker
-from store.ring import RingWriter
+from kdcache.store.ring import RingWriter
 w = RingWriter(sys.argv[1], capacity=64, num_classes=10, dtype="float32")
 if HIDE:  # as when the creator's tracker is a parent's that lives on: only the survivor can clean up
     resource_tracker.unregister("/" + w.name, "shared_memory")
@@ -143,7 +143,7 @@ def test_producer_killed_while_consumer_waits(ring_name, tmp_path, hide_from_tra
 
 SLOW_PRODUCER = '''
 import sys, time
-from store.ring import RingWriter
+from kdcache.store.ring import RingWriter
 w = RingWriter(sys.argv[1], capacity=64, num_classes=3, liveness_timeout=0.6)
 w.write([0], 0, expected([0], 0, 3))
 print("ready", flush=True)
@@ -174,7 +174,7 @@ def test_slow_producer_is_alive_and_stopped_one_is_hung(ring_name, tmp_path):
 
 CONSUMER_THEN_SLEEP = '''
 import sys, time
-from store.ring import RingReader
+from kdcache.store.ring import RingReader
 r = RingReader(sys.argv[1], timeout=20)
 print("ready", flush=True)
 time.sleep(60)
@@ -206,13 +206,13 @@ def test_cleanup_stale_removes_leaked_segment_of_dead_creator(ring_name, tmp_pat
     proc = spawn('''
 import os, signal, sys
 from multiprocessing import resource_tracker
-from store.ring import RingWriter
+from kdcache.store.ring import RingWriter
 w = RingWriter(sys.argv[1], num_classes=3)
 resource_tracker.unregister("/" + w.name, "shared_memory")
 os.kill(os.getpid(), signal.SIGKILL)
 ''', ring_name, tmp_path)
     assert proc.wait(20) == -signal.SIGKILL, Path(proc.err_path).read_text()
-    # (A concurrent `python -m store gc` may legitimately remove it from here on: keep this short.)
+    # (A concurrent `python -m kdcache.store gc` may legitimately remove it from here on: keep this short.)
     assert seg(ring_name).exists()
     with RingWriter(num_classes=3) as live:
         assert ring_name in cleanup_stale(dry_run=True)

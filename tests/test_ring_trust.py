@@ -17,8 +17,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from store.errors import FingerprintMismatchError, StoreError
-from store.ring import (_HEADER, LAYOUT_VERSION, MAGIC, PREFIX, SHM_DIR, RingReader, RingWriter, _align,
+from kdcache.store.errors import FingerprintMismatchError, StoreError
+from kdcache.store.ring import (_HEADER, LAYOUT_VERSION, MAGIC, PREFIX, SHM_DIR, RingReader, RingWriter, _align,
                         cleanup_stale)
 from tests.test_ring import EXPECTED_SRC, expected, ring_name, seg  # noqa: F401 (ring_name: a fixture)
 from tests.test_ring_processes import REPO, spawn, wait_ready
@@ -38,15 +38,15 @@ def dead_name():
 
 
 def run_cleanup(within=20):
-    """cleanup_stale() in a fresh process, as `python -m store gc` runs it; the names it removed."""
-    out = subprocess.run([sys.executable, "-c", "from store.ring import cleanup_stale; print(*cleanup_stale())"],
+    """cleanup_stale() in a fresh process, as `python -m kdcache.store gc` runs it; the names it removed."""
+    out = subprocess.run([sys.executable, "-c", "from kdcache.store.ring import cleanup_stale; print(*cleanup_stale())"],
                          cwd=REPO, env=ENV, capture_output=True, text=True, timeout=within)
     assert out.returncode == 0, out.stderr
     return out.stdout.split()
 
 
 def stale_and_removed(name):
-    """cleanup_stale() removed ring `name` as stale. Any `python -m store gc` on this machine (other
+    """cleanup_stale() removed ring `name` as stale. Any `python -m kdcache.store gc` on this machine (other
     test suites run it) may have removed it first, by the same judgement: then it is gone all the same."""
     return name in run_cleanup() or not os.path.lexists(seg(name))
 
@@ -270,7 +270,7 @@ def test_the_name_goes_as_soon_as_both_sides_hold_the_ring(ring_name):
 # trainer does), reports how far it got, reads until killed.
 GROUP = '''
 import subprocess, sys, time
-from store.ring import RingReader
+from kdcache.store.ring import RingReader
 name, moment = sys.argv[1], sys.argv[2]
 r = RingReader(name, create=True, capacity=16, num_classes=4, fingerprint="abc", timeout=60)
 if moment == "before":
@@ -286,7 +286,7 @@ while True:
 '''
 PRODUCER = '''
 import sys
-from store.ring import RingWriter
+from kdcache.store.ring import RingWriter
 w = RingWriter(sys.argv[1], create=False, fingerprint="abc", timeout=60)
 if sys.argv[2] == "attached":
     print("ready", flush=True)
@@ -360,7 +360,7 @@ def test_kill_9_of_the_process_group_at_random_moments_then_gc(ring_name, tmp_pa
 def test_the_name_goes_when_the_peer_is_another_process(ring_name, tmp_path):
     proc = spawn('''
 import sys, time
-from store.ring import RingReader
+from kdcache.store.ring import RingReader
 r = RingReader(sys.argv[1], create=True, num_classes=3, fingerprint="abc", timeout=5)
 print("ready", flush=True)
 time.sleep(60)

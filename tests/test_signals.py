@@ -21,7 +21,7 @@ import h5py
 import numpy as np
 import pytest
 
-from pipeline.children import before_exec
+from kdcache.pipeline.children import before_exec
 from tests.helpers import CHILD_ENV, ROOT
 
 TORTURE = os.environ.get("KDCACHE_TORTURE") == "1"

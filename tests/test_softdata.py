@@ -13,7 +13,7 @@ ENV = CHILD_ENV
 
 
 def build_cache(tmp_path, prefix, *args):
-    r = subprocess.run([sys.executable, "-m", "cache_builder", "--teacher", prefix, "--dataset", "digits",
+    r = subprocess.run([sys.executable, "-m", "kdcache.cache_builder", "--teacher", prefix, "--dataset", "digits",
                         "--cache-dir", str(tmp_path / "caches"), "--threads", "1", "--quiet", "--json", *args],
                        env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -34,9 +34,9 @@ def digits_views(tmp_path_factory):
 def test_each_soft_target_is_the_teachers_output_for_that_view(digits_views, workers):
     from mxnet import gluon
 
-    from pipeline.datasets import load_digits
-    from pipeline.teacher import Teacher
-    from trainer import SoftTargetDataset
+    from kdcache.pipeline.datasets import load_digits
+    from kdcache.pipeline.teacher import Teacher
+    from kdcache.trainer import SoftTargetDataset
     prefix, cache = digits_views
     ds = SoftTargetDataset(load_digits("train"), cache, seed=5, views=2, augment="crop:1")
     teacher = Teacher(prefix)
@@ -68,9 +68,9 @@ def test_each_soft_target_is_the_teachers_output_for_that_view(digits_views, wor
 
 
 def test_a_cache_for_other_images_is_refused(digits_views):
-    from pipeline.datasets import load_digits
-    from store import StoreError
-    from trainer import SoftTargetDataset
+    from kdcache.pipeline.datasets import load_digits
+    from kdcache.store import StoreError
+    from kdcache.trainer import SoftTargetDataset
     _, cache = digits_views
     train = load_digits("train")
     for kwargs, words in [(dict(seed=5, views=2, augment="crop:2"), "augmentation crop:1"),

@@ -8,11 +8,11 @@ import h5py
 import numpy as np
 import pytest
 
-from store import (BadInputError, CacheNotFoundError, CacheReader, CacheWriter, FingerprintMismatchError,
+from kdcache.store import (BadInputError, CacheNotFoundError, CacheReader, CacheWriter, FingerprintMismatchError,
                    MissingTargetsError, ProducerGoneError, StoreError, UnsupportedFormatError, WriterBusyError,
                    path_for, schema)
-from store.registry import final_path, parts_path, verify
-from store.segment import write_json_atomic
+from kdcache.store.registry import final_path, parts_path, verify
+from kdcache.store.segment import write_json_atomic
 from tests.helpers import expected_logits, make_spec, produce
 
 

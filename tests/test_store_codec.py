@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 
-from store import CacheSpec, StoreError, fingerprint, make_codec, path_for, schema
-from store.fingerprint import is_fingerprint
+from kdcache.store import CacheSpec, StoreError, fingerprint, make_codec, path_for, schema
+from kdcache.store.fingerprint import is_fingerprint
 from tests.helpers import expected_logits, make_spec
 
 
@@ -107,8 +107,8 @@ def test_a_stored_class_index_past_the_class_count_is_named_as_damage_not_as_the
     and `kdcache verify`, never the caller's sample indices; verify lists the same rows."""
     import h5py
 
-    from store import CacheReader, UnsupportedFormatError
-    from store.verify import verify
+    from kdcache.store import CacheReader, UnsupportedFormatError
+    from kdcache.store.verify import verify
     from tests.helpers import produce
     spec = make_spec(num_samples=40, num_classes=10, codec="topk:3", dtype="float16")
     base = path_for(cache_dir, spec.fingerprint)

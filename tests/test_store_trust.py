@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, example, given, settings, strategies as st
 
-from store import CacheReader, CacheWriter, FingerprintMismatchError, UnsupportedFormatError, path_for, schema
-from store.spec import CacheSpec
+from kdcache.store import CacheReader, CacheWriter, FingerprintMismatchError, UnsupportedFormatError, path_for, schema
+from kdcache.store.spec import CacheSpec
 from tests.conftest import ROOT
 from tests.helpers import expected_logits, make_spec, produce
 
@@ -27,7 +27,7 @@ OLD = time.time() - 100 * 86400
 
 
 def cli(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "store", *map(str, args)], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "kdcache.store", *map(str, args)], capture_output=True, text=True,
                           env=ENV, cwd=ROOT, timeout=timeout)
 
 
@@ -314,8 +314,8 @@ def declaring_1e11_rows(d):
 # process's peak memory grew past what it held after importing the store.
 MEASURE = """
 import contextlib, io, json, resource, sys, time
-from store import CacheReader, StoreError
-from store.__main__ import main
+from kdcache.store import CacheReader, StoreError
+from kdcache.store.__main__ import main
 peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 out, rss0 = {}, peak()
 for tool in ("verify", "inspect", "reader"):

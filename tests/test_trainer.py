@@ -18,14 +18,14 @@ ENV = {**os.environ, "PYTHONPATH": ROOT, "MXNET_SUBGRAPH_VERBOSE": "0"}
 def teacher(tmp_path_factory):
     """A small digits teacher trained for a few epochs (real, if weak, soft targets)."""
     prefix = str(tmp_path_factory.mktemp("teacher") / "digits")
-    r = subprocess.run([sys.executable, "-m", "trainer.make_teacher", "--out", prefix, "--epochs", "3", "--quiet",
+    r = subprocess.run([sys.executable, "-m", "kdcache.trainer.make_teacher", "--out", prefix, "--epochs", "3", "--quiet",
                         "--threads", "1"], env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     return prefix
 
 
 def train(tmp_path, *args, check=True, timeout=600):
-    r = subprocess.run([sys.executable, "-m", "trainer", "--quiet", "--json", "--runs-dir", str(tmp_path / "runs"),
+    r = subprocess.run([sys.executable, "-m", "kdcache.trainer", "--quiet", "--json", "--runs-dir", str(tmp_path / "runs"),
                         "--cache-dir", str(tmp_path / "caches"), *map(str, args)],
                        env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     if check:
@@ -42,7 +42,7 @@ def params(run_dir, epoch):
 # --- the loss --------------------------------------------------------------------------------
 def test_kd_loss_matches_the_formula():
     import mxnet as mx
-    from trainer.loss import KDLoss
+    from kdcache.trainer.loss import KDLoss
     rng = np.random.default_rng(0)
     s, t = rng.normal(size=(5, 7)).astype(np.float32), rng.normal(size=(5, 7)).astype(np.float32) * 3
     y = rng.integers(0, 7, 5)
@@ -66,8 +66,8 @@ def test_ctrl_c_in_the_epochs_is_kept_and_raised_at_a_safe_point():
     check: at a step, or while the loop waits for a batch. A second SIGINT is raised at once.
     Afterwards Python's own handler is back; a trainer started with SIGINT ignored keeps ignoring it."""
     import threading
-    from pipeline.interrupts import Interrupts
-    from trainer.prefetch import Prefetcher
+    from kdcache.pipeline.interrupts import Interrupts
+    from kdcache.trainer.prefetch import Prefetcher
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     stop = Interrupts().install()
     try:
@@ -222,9 +222,9 @@ def test_a_producer_that_dies_ends_training_with_a_clear_error(teacher, tmp_path
     args = ["--teacher", teacher, "--dataset", "synthetic:n=60000,classes=10,shape=1x8x8", "--epochs", 1,
             "--batch-size", 32, "--threads", 1, "--quiet", "--runs-dir", str(tmp_path / "runs"),
             "--cache-dir", str(tmp_path / "caches"), "--run", "victim"]
-    p = subprocess.Popen([sys.executable, "-m", "trainer", *map(str, args)], env=ENV, cwd=ROOT,
+    p = subprocess.Popen([sys.executable, "-m", "kdcache.trainer", *map(str, args)], env=ENV, cwd=ROOT,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    from store.segment import lock_holders
+    from kdcache.store.segment import lock_holders
     deadline = time.monotonic() + 120
     holders = []
     while not holders and time.monotonic() < deadline:
@@ -246,9 +246,9 @@ def test_a_producer_that_dies_ends_training_with_a_clear_error(teacher, tmp_path
 
 def test_module_api_trains_with_soft_target_iter(tmp_path):
     import mxnet as mx
-    from store import CacheReader
+    from kdcache.store import CacheReader
     from tests.helpers import label_cache
-    from trainer import SoftTargetIter, kd_symbol
+    from kdcache.trainer import SoftTargetIter, kd_symbol
     # soft targets: a one-hot-ish "teacher" from the labels, enough to check the plumbing learns
     ds, p = label_cache(tmp_path)
     it = SoftTargetIter(ds, CacheReader(p), batch_size=64, seed=0)
@@ -297,12 +297,12 @@ def test_several_contexts_split_each_batch_and_train_the_same_student(teacher, t
 @pytest.mark.slow
 @pytest.mark.parametrize("store", ["cache", "ring"])
 def test_the_producer_starts_before_the_trainer_imports_mxnet(teacher, tmp_path, store):
-    """python -m trainer starts the producer (and creates the ring) before its own MXNet import,
+    """python -m kdcache.trainer starts the producer (and creates the ring) before its own MXNet import,
     so the producer's start-up overlaps the trainer's instead of stalling the first epoch."""
     code = f"""
 import glob, os, sys, time
-from trainer.options import parse_args
-from trainer.targets import make_plan, start_early
+from kdcache.trainer.options import parse_args
+from kdcache.trainer.targets import make_plan, start_early
 args = parse_args(["--teacher", {teacher!r}, "--store", {store!r}, "--run", "early",
                    "--runs-dir", {str(tmp_path / "runs")!r}, "--cache-dir", {str(tmp_path / "c")!r}])
 args.run_name = args.run
@@ -341,7 +341,7 @@ def test_bad_options(tmp_path):
 
 
 def test_help():
-    r = subprocess.run([sys.executable, "-m", "trainer", "--help"], capture_output=True, text=True, env=ENV, cwd=ROOT)
+    r = subprocess.run([sys.executable, "-m", "kdcache.trainer", "--help"], capture_output=True, text=True, env=ENV, cwd=ROOT)
     for opt in ("--dataset", "--student", "--teacher", "--cache", "--cache-dir", "--views", "--codec", "--temperature",
                 "--alpha", "--epochs", "--batch-size", "--seed", "--ctx", "--threads", "--teacher-mode",
                 "--no-producer", "--resume", "--run"):

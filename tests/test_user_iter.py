@@ -26,7 +26,7 @@ def rec_cache(tmp_path_factory):
     rec = write_rec(tmp / "train.rec", images, rng.integers(0, 10, N))
     prefix = str(tmp / "teacher")
     gluon_teacher(prefix, classes=10, in_ch=3, seed=2)
-    r = subprocess.run([sys.executable, "-m", "cache_builder", "--teacher", prefix, "--dataset", "recordio",
+    r = subprocess.run([sys.executable, "-m", "kdcache.cache_builder", "--teacher", prefix, "--dataset", "recordio",
                         "--data-root", rec, "--num-classes", "10", "--dtype", "float32", "--cache-dir",
                         str(tmp / "caches"), "--threads", "1", "--quiet", "--json"],
                        env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -41,10 +41,10 @@ def record_iter(rec, **kw):
 
 
 def test_soft_labels_follow_the_indices_of_a_shuffling_record_iter(rec_cache, caplog):
-    from pipeline.images import RecordIODataset
-    from pipeline.teacher import Teacher
-    from store import CacheReader
-    from trainer import SoftTargetIter
+    from kdcache.pipeline.images import RecordIODataset
+    from kdcache.pipeline.teacher import Teacher
+    from kdcache.store import CacheReader
+    from kdcache.trainer import SoftTargetIter
     rec, prefix, cache = rec_cache
     ds = RecordIODataset(rec, "train", None, 10)
     teacher = Teacher(prefix)
@@ -72,8 +72,8 @@ def test_soft_labels_follow_the_indices_of_a_shuffling_record_iter(rec_cache, ca
 
 def test_an_iterator_without_indices_is_refused(rec_cache):
     import mxnet as mx
-    from store import CacheReader
-    from trainer import SoftTargetIter
+    from kdcache.store import CacheReader
+    from kdcache.trainer import SoftTargetIter
     it = SoftTargetIter(mx.io.NDArrayIter(np.zeros((N, 3, 8, 8), np.float32), np.zeros(N), batch_size=10),
                         CacheReader(rec_cache[2]))
     with pytest.raises(ValueError, match="no sample indices.*ImageRecordIter_v1"):
@@ -85,8 +85,8 @@ def test_an_iterator_without_indices_is_refused(rec_cache):
 
 
 def test_record_keys_that_are_not_positions_are_mapped(rec_cache):
-    from store import CacheReader
-    from trainer import SoftTargetIter
+    from kdcache.store import CacheReader
+    from kdcache.trainer import SoftTargetIter
     rec, _, cache = rec_cache
     reader = CacheReader(cache)
     keys = np.arange(N) * 10 + 1000  # as if the .idx held other keys: key k is sample (k - 1000) / 10
@@ -116,8 +116,8 @@ def test_record_keys_that_are_not_positions_are_mapped(rec_cache):
 
 def test_an_iterator_that_augments_is_reported_once(rec_cache, caplog):
     import mxnet as mx
-    from store import CacheReader
-    from trainer import SoftTargetIter
+    from kdcache.store import CacheReader
+    from kdcache.trainer import SoftTargetIter
     rec, _, cache = rec_cache
     caplog.set_level(logging.WARNING, logger="kdcache.trainer")
     it = SoftTargetIter(record_iter(rec, shuffle=True, rand_mirror=True, rand_crop=True, pad=2), CacheReader(cache))
@@ -142,9 +142,9 @@ def test_an_index_past_the_cache_is_refused_before_anything_is_sized_by_it(rec_c
     import tracemalloc
 
     import mxnet as mx
-    from store import CacheReader
-    from store.errors import BadInputError
-    from trainer import SoftTargetIter
+    from kdcache.store import CacheReader
+    from kdcache.store.errors import BadInputError
+    from kdcache.trainer import SoftTargetIter
 
     class FarIter(mx.io.DataIter):
         def __init__(self):

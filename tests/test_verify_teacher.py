@@ -114,7 +114,7 @@ def test_another_teacher_is_refused_in_one_line(world):
 def test_without_a_teacher_verify_is_the_store_check(world):
     path = cache(world)
     ours = kdcache(world["tmp"], "verify", path, "--json")
-    store = subprocess.run([sys.executable, "-m", "store", "verify", path, "--json"], capture_output=True,
+    store = subprocess.run([sys.executable, "-m", "kdcache.store", "verify", path, "--json"], capture_output=True,
                            text=True, env=ENV, cwd=world["tmp"], timeout=120)
     assert ours.returncode == store.returncode == 0 and ours.stdout == store.stdout
 
@@ -127,7 +127,7 @@ def test_a_bad_sample_is_refused_in_one_line(tmp_path, value):
 
 def test_ties_within_tolerance_count_as_agreement():
     """topk: the stored top-1 may be either of two classes the teacher ties; another class may not."""
-    from cache_builder.verify import compare_rows
+    from kdcache.cache_builder.verify import compare_rows
     fresh = np.array([[3.0, 3.0, 1.0, -2.0], [3.0, 3.0, 1.0, -2.0]], np.float32)
     stored = {"topk_values": np.array([[3.0, 3.0], [3.0, 1.0]], np.float16),
               "topk_indices": np.array([[1, 0], [1, 2]], np.uint16),

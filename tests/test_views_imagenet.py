@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.augment import Augment, _fallback, eval_views, make_views
-from pipeline.datasets import load_dataset
+from kdcache.pipeline.augment import Augment, _fallback, eval_views, make_views
+from kdcache.pipeline.datasets import load_dataset
 from tests.helpers import CHILD_ENV, ROOT
 
 SPEC = "synthetic:n=64,classes=4,shape=3x13x10,seed=3"
@@ -65,8 +65,8 @@ def test_rrc_boxes_do_not_depend_on_the_batch():
 def test_another_process_builds_the_same_pixels(small, tmp_path):
     out = tmp_path / "views.npz"
     code = ("import sys, numpy as np\n"
-            "from pipeline.augment import Augment, make_views\n"
-            "from pipeline.datasets import load_dataset\n"
+            "from kdcache.pipeline.augment import Augment, make_views\n"
+            "from kdcache.pipeline.datasets import load_dataset\n"
             f"ds = load_dataset({SPEC!r})\n"
             f"i, v = np.array({KEYS_I[::-1].tolist()}), np.array({KEYS_V[::-1].tolist()})\n"
             f"np.savez(sys.argv[1], **{{s: make_views(ds, i, v, seed={SEED}, augment=Augment.parse(s))[0] "
@@ -205,8 +205,8 @@ def test_a_model_trained_on_rrc_is_evaluated_on_the_centre_crop(small):
     ("rrc:224,scale=0.35-1,ratio=0.75-1.33", "rrc:224,ratio=.75-1.33,scale=0.35-1.0"),
     ("center:224", "eval:256/224"), ("center:7x5", "eval:6/7x5")])
 def test_two_spellings_name_one_cache(a, b):
-    from pipeline.cachespec import build_spec
-    from pipeline.datasets import load_dataset as load
+    from kdcache.pipeline.cachespec import build_spec
+    from kdcache.pipeline.datasets import load_dataset as load
     ds = load("synthetic:n=10,classes=3,shape=1x8x8")
     pa, pb = Augment.parse(a), Augment.parse(b)
     assert pa == pb and pa.spec == pb.spec and Augment.parse(pa.spec) == pa
@@ -216,7 +216,7 @@ def test_two_spellings_name_one_cache(a, b):
 
 
 def test_the_eval_transform_does_not_depend_on_the_seed():
-    from pipeline.cachespec import build_spec
+    from kdcache.pipeline.cachespec import build_spec
     ds = load_dataset("synthetic:n=10,classes=3,shape=1x8x8")
     fp = {build_spec("t", ds, augment=Augment.parse("center:8"), seed=s).fingerprint for s in (0, 1, 99)}
     rrc = {build_spec("t", ds, augment=Augment.parse("rrc:8"), seed=s).fingerprint for s in (0, 1, 99)}
@@ -228,7 +228,7 @@ def test_the_eval_transform_does_not_depend_on_the_seed():
                                  "rrc:224,ratio=-1-1", "rrc:224,foo=1", "scale=0.5-1", "rrc:8,crop:2",
                                  "center:0", "center:8,flip", "eval:256", "eval:100/224", "rrc:99999"])
 def test_bad_specs_are_one_line_at_the_door(bad):
-    from pipeline.options import AugmentSpec
+    from kdcache.pipeline.options import AugmentSpec
     with pytest.raises(argparse.ArgumentTypeError) as e:
         AugmentSpec()(bad)
     assert "\n" not in str(e.value) and len(str(e.value)) < 400
@@ -265,7 +265,7 @@ def test_the_trainers_pixels_are_the_producers(tmp_path, spec, views):
     item's view: its pixels equal the cached ones bit for bit, every view."""
     from mxnet import gluon
 
-    from trainer import SoftTargetDataset
+    from kdcache.trainer import SoftTargetDataset
     shape = Augment.parse(spec).out_shape((3, 13, 10))
     size = int(np.prod(shape))
     data = f"synthetic:n=40,classes={size},shape=3x13x10,seed=4"

@@ -8,7 +8,7 @@ import re
 from typing import NamedTuple
 
 from kdcache.args import Allowed, Dir, Float, Int, Name, Option, Parser, add_options, fail
-from pipeline.options import SHARED, check_applies, check_views, resolve_teacher
+from kdcache.pipeline.options import SHARED, check_applies, check_views, resolve_teacher
 
 DESCRIPTION = """\
 Train a student network with knowledge distillation from cached teacher logits.
@@ -72,7 +72,7 @@ class Student(Allowed):
     BUILTIN = ("mlp128", "mlp", "small_cnn", "digits_teacher")
 
     def __call__(self, s):
-        from pipeline.pieces import is_piece
+        from kdcache.pipeline.pieces import is_piece
         if is_piece(s):
             return s.strip()  # MODULE:FUNCTION(classes) -> HybridBlock, loaded (and checked) with the student
         zoo = zoo_names()
@@ -125,14 +125,14 @@ TRAINER = [
 ]
 
 
-def build_parser(prog="python -m trainer"):
+def build_parser(prog="python -m kdcache.trainer"):
     p = Parser(prog=prog, description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_options(p, SHARED + TRAINER, cache={"help": "explicit cache path instead of <cache-dir>/<fingerprint> "
                                                     "(auto: the same as leaving it out)"})
     return p
 
 
-def parse_args(argv=None, prog="python -m trainer", launched=False):
+def parse_args(argv=None, prog="python -m kdcache.trainer", launched=False):
     """The options, checked: a mistake exits here with one line and status 2, before anything runs.
     `launched`: checked by kdcache launch for its workers, before it sets their DMLC_* variables."""
     p = build_parser(prog)
@@ -171,6 +171,6 @@ def parse_args(argv=None, prog="python -m trainer", launched=False):
 def recorded(args):
     """The options as a checkpoint records them (JSON): a value parsed into an object (--augment's
     Augment, --ctx's Devices) as its command-line word."""
-    from pipeline.augment import Augment
+    from kdcache.pipeline.augment import Augment
     by_dest = {o.dest: o for o in SHARED + TRAINER}
     return {k: by_dest[k].format(v) if isinstance(v, (Augment, Devices)) else v for k, v in vars(args).items()}

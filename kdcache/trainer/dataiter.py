@@ -16,10 +16,10 @@ import logging
 import mxnet as mx
 import numpy as np
 
-from pipeline.augment import Augment, as_augment, make_views
-from pipeline.schedule import epoch_batches, view_of_epoch
-from store.schema import index_error
-from trainer.loss import check_targets
+from kdcache.pipeline.augment import Augment, as_augment, make_views
+from kdcache.pipeline.schedule import epoch_batches, view_of_epoch
+from kdcache.store.schema import index_error
+from kdcache.trainer.loss import check_targets
 
 log = logging.getLogger("kdcache.trainer")
 

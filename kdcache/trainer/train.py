@@ -12,21 +12,21 @@ import numpy as np
 from mxnet import autograd, gluon
 from tqdm import tqdm
 
-from pipeline.augment import eval_views, make_views
-from pipeline.cachespec import build_spec
-from pipeline.datasets import load_dataset
+from kdcache.pipeline.augment import eval_views, make_views
+from kdcache.pipeline.cachespec import build_spec
+from kdcache.pipeline.datasets import load_dataset
 from kdcache import signals
-from pipeline.interrupts import Interrupts
-from pipeline.schedule import EpochDigests, schedule, steps_per_epoch
-from pipeline.teacher import check_fits, load_teacher
-from store import CacheNotFoundError, CacheReader, ProducerGoneError, path_for, registry
-from store.registry import final_path
-from trainer.checkpoint import load_checkpoint, save_checkpoint
-from trainer.loss import KDLoss, check_finite
-from trainer.models import check_student, get_model, model_identity
-from trainer.options import recorded
-from trainer.prefetch import Prefetcher
-from trainer.targets import (TrainError, create_ring, producer_command, producer_failure, producer_result,
+from kdcache.pipeline.interrupts import Interrupts
+from kdcache.pipeline.schedule import EpochDigests, schedule, steps_per_epoch
+from kdcache.pipeline.teacher import check_fits, load_teacher
+from kdcache.store import CacheNotFoundError, CacheReader, ProducerGoneError, path_for, registry
+from kdcache.store.registry import final_path
+from kdcache.trainer.checkpoint import load_checkpoint, save_checkpoint
+from kdcache.trainer.loss import KDLoss, check_finite
+from kdcache.trainer.models import check_student, get_model, model_identity
+from kdcache.trainer.options import recorded
+from kdcache.trainer.prefetch import Prefetcher
+from kdcache.trainer.targets import (TrainError, create_ring, producer_command, producer_failure, producer_result,
                              producer_running, ring_targets, start_producer, stop_producer)
 
 log = logging.getLogger("kdcache.trainer")
@@ -35,7 +35,7 @@ log = logging.getLogger("kdcache.trainer")
 # --- small helpers ---------------------------------------------------------------------------
 def resolve_ctx(arg):
     """MXNet's contexts for --ctx: the Devices it parsed, or its string through the same parser."""
-    from trainer.options import Ctx
+    from kdcache.trainer.options import Ctx
     d = Ctx().coerce(arg, "--ctx", TrainError)
     if d.kind == "auto":
         return [mx.gpu(0)] if mx.context.num_gpus() > 0 else [mx.cpu()]
@@ -128,10 +128,10 @@ def run(args, plan, early, threads, cores):
             kv = mx.kv.create(args.kvstore)
         except Exception as e:
             raise TrainError(f"--kvstore {args.kvstore}: {str(e).strip().splitlines()[-1][:200]}; for dist_* start "
-                             f"the workers with `python -m trainer.launch` (or set the DMLC_* variables)") from None
+                             f"the workers with `python -m kdcache.trainer.launch` (or set the DMLC_* variables)") from None
         rank, workers = kv.rank, kv.num_workers
         # Held to the end of the process: freeing a dist kvstore waits at a barrier for every worker, which
-        # a worker leaving on an error must not do (python -m trainer then exits without destructors).
+        # a worker leaving on an error must not do (python -m kdcache.trainer then exits without destructors).
         KVSTORES.append(kv)
     run_name = args.run_name
     run_dir = os.path.join(args.runs_dir, run_name)

@@ -3,7 +3,7 @@
 Both sides compute the same CacheSpec from the same options without running anything: the
 producer to write the cache, the trainer to find it (and to refuse a cache built from others).
 """
-from store import CacheSpec
+from kdcache.store import CacheSpec
 
 from .augment import Augment, UserAugment, is_builtin
 from .pieces import PieceError, is_piece, load_piece

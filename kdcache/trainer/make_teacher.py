@@ -1,4 +1,4 @@
-"""python -m trainer.make_teacher: train a teacher on a data set and export it as MXNet checkpoint files.
+"""python -m kdcache.trainer.make_teacher: train a teacher on a data set and export it as MXNet checkpoint files.
 
 `make teacher` uses it to build the default teachers that every target needing a teacher falls back
 on: teachers/digits-symbol.json / -0000.params for digits, teachers/mnist5k-* for mnist5k. Each data
@@ -15,8 +15,8 @@ import time
 
 from kdcache import signals
 from kdcache.args import Float, Int, Option, Parser, add_options, fail
-from pipeline.options import SHARED_BY_DEST, AugmentSpec
-from trainer.options import Student, zoo_names
+from kdcache.pipeline.options import SHARED_BY_DEST, AugmentSpec
+from kdcache.trainer.options import Student, zoo_names
 
 # Per data set: the teacher's network, epochs and augmentation (others get digits' recipe).
 # mnist5k: mnist_teacher, 20 epochs, shifts of up to 2 pixels: 98.0-98.7% test accuracy over seeds
@@ -42,8 +42,8 @@ def train_teacher(dataset, test, *, arch="digits_teacher", epochs=40, batch_size
     from mxnet import autograd, gluon
     from tqdm import tqdm
 
-    from pipeline.augment import as_augment
-    from trainer.models import get_model
+    from kdcache.pipeline.augment import as_augment
+    from kdcache.trainer.models import get_model
     if schedule not in ("cosine", "constant"):
         raise ValueError(f"learning-rate schedule {schedule!r}: use cosine or constant")
     aug = as_augment(augment)  # an Augment as --augment parsed it, or its spec string
@@ -141,7 +141,7 @@ TEACHER = [
 ]
 
 
-def main(argv=None, prog="python -m trainer.make_teacher"):
+def main(argv=None, prog="python -m kdcache.trainer.make_teacher"):
     p = Parser(prog=prog, description=__doc__.split("\n\n")[0])
     add_options(p, TEACHER)
     args = p.parse_args(argv)
@@ -165,7 +165,7 @@ def main(argv=None, prog="python -m trainer.make_teacher"):
     os.environ.setdefault("MXNET_SUBGRAPH_VERBOSE", "0")
     logging.basicConfig(level=logging.INFO, format="[teacher %(asctime)s] %(message)s", datefmt="%H:%M:%S")
     try:
-        from pipeline.datasets import DatasetError, load_dataset
+        from kdcache.pipeline.datasets import DatasetError, load_dataset
         try:
             train = load_dataset(args.dataset, data_root=args.data_root, split="train")
             test = load_dataset(args.dataset, data_root=args.data_root, split="test")

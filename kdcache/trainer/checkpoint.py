@@ -14,7 +14,7 @@ import os
 
 import mxnet as mx
 
-from trainer.targets import TrainError
+from kdcache.trainer.targets import TrainError
 
 log = logging.getLogger("kdcache.trainer")
 

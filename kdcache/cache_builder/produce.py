@@ -12,14 +12,14 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-from pipeline.augment import make_views
-from pipeline.checkpoint import TeacherError
-from pipeline.teacher import NonFiniteOutputError
-from pipeline.interrupts import Interrupts
-from pipeline.schedule import schedule, steps_per_epoch
-from store import registry
-from store.demand import Demand
-from store.schema import name_keys
+from kdcache.pipeline.augment import make_views
+from kdcache.pipeline.checkpoint import TeacherError
+from kdcache.pipeline.teacher import NonFiniteOutputError
+from kdcache.pipeline.interrupts import Interrupts
+from kdcache.pipeline.schedule import schedule, steps_per_epoch
+from kdcache.store import registry
+from kdcache.store.demand import Demand
+from kdcache.store.schema import name_keys
 
 log = logging.getLogger("kdcache.producer")
 

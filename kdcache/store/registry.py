@@ -13,7 +13,7 @@ from .paths import (DEFAULT_DIR, ENV_DIR, OWN_PART, base_path, discard, exists, 
                     parts_path, path_for, resolve_cache_dir)
 from .segment import count_done, lock_holders
 from .validate import looks_like_hdf5
-from .verify import verify  # noqa: F401 (python -m store verify)
+from .verify import verify  # noqa: F401 (python -m kdcache.store verify)
 
 NOT_A_CACHE = "not a cache"
 NEWER = "newer format"  # written by a newer kdcache: listed, never removed by this one

@@ -8,7 +8,7 @@ import glob
 import os
 import re
 
-from store import file_digest
+from kdcache.store import file_digest
 
 
 class TeacherError(ValueError):

@@ -3,7 +3,7 @@ import queue
 import threading
 import time
 
-from pipeline.augment import make_views
+from kdcache.pipeline.augment import make_views
 
 
 class Prefetcher:

@@ -1,6 +1,6 @@
 """Where the teacher's targets come from when the trainer starts the producer itself.
 
-No MXNet here: python -m trainer starts the producer first thing, before it loads its own data
+No MXNet here: python -m kdcache.trainer starts the producer first thing, before it loads its own data
 set or imports MXNet, so the producer's start-up (its MXNet import, data load, teacher load)
 overlaps the trainer's instead of coming after it, inside the first epoch. Started before the
 trainer knows which cache its options name, the producer is held (`--hold`): it loads
@@ -16,8 +16,8 @@ import subprocess
 import sys
 import time
 
-from pipeline.children import before_exec
-from pipeline.options import shared_argv
+from kdcache.pipeline.children import before_exec
+from kdcache.pipeline.options import shared_argv
 
 log = logging.getLogger("kdcache.trainer")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,7 +50,7 @@ def producer_command(args, plan, *, split="train", online=True, threads=1, ring=
     else:
         shared = shared_argv(args, teacher=teacher, cache=None, views=1, codec="full", dtype="float32",
                              augment=plan.augment.eval_view() if plan is not None else "none")
-    cmd = [sys.executable, "-m", "cache_builder", "--quiet", "--split", split, "--threads", str(threads), *shared]
+    cmd = [sys.executable, "-m", "kdcache.cache_builder", "--quiet", "--split", split, "--threads", str(threads), *shared]
     if result:
         cmd += ["--result", result]
     if online:
@@ -64,7 +64,7 @@ def producer_command(args, plan, *, split="train", online=True, threads=1, ring=
 
 def teacher_arg(args):
     """The --teacher value that names this run's checkpoint (as Plan.topt.arg gives it)."""
-    from pipeline.checkpoint import TeacherOptions
+    from kdcache.pipeline.checkpoint import TeacherOptions
     return TeacherOptions.from_args(args).arg
 
 
@@ -130,7 +130,7 @@ MXNET_DATASETS = ("recordio", "imagefolder")
 
 def load_train(args):
     """The training split."""
-    from pipeline.datasets import load_dataset
+    from kdcache.pipeline.datasets import load_dataset
     return load_dataset(args.dataset, data_root=args.data_root, split="train", image_size=args.image_size,
                         num_classes=args.num_classes)
 
@@ -147,14 +147,14 @@ class Plan:
 
     @property
     def complete(self):
-        from store import registry
+        from kdcache.store import registry
         return self.base is not None and os.path.exists(registry.final_path(self.base))
 
 
 def make_plan(args):
-    from pipeline.cachespec import resolve_augment, spec_from_args
-    from pipeline.checkpoint import TeacherOptions
-    from store import path_for, registry
+    from kdcache.pipeline.cachespec import resolve_augment, spec_from_args
+    from kdcache.pipeline.checkpoint import TeacherOptions
+    from kdcache.store import path_for, registry
     train = load_train(args)
     if args.teacher_mode == "none":
         return Plan(train, resolve_augment(args.augment, train.name, args.views))
@@ -166,7 +166,7 @@ def make_plan(args):
 
 @dataclasses.dataclass
 class EarlyStart:
-    """The producer python -m trainer starts before anything else, for run() to take over."""
+    """The producer python -m kdcache.trainer starts before anything else, for run() to take over."""
     producer: subprocess.Popen = None
     ring: object = None  # store.ring.RingReader the producer writes into
     held: bool = False  # started with --hold: it waits on its stdin for the cache's name
@@ -220,7 +220,7 @@ def ring_name(run_name):
 
 
 def create_ring(args, plan):
-    from store.ring import RingReader
+    from kdcache.store.ring import RingReader
     return RingReader(ring_name(args.run_name), create=True, capacity=args.ring_capacity,
                       num_classes=plan.spec.num_classes, codec=plan.spec.codec, dtype=plan.spec.dtype,
                       timeout=args.wait_timeout, fingerprint=plan.spec.fingerprint)
@@ -228,8 +228,8 @@ def create_ring(args, plan):
 
 def producer_running(base):
     """Whether a live producer holds a shard lock of this cache."""
-    from store import registry
-    from store.segment import lock_holders
+    from kdcache.store import registry
+    from kdcache.store.segment import lock_holders
     parts = registry.parts_path(base)
     return registry.exists(base) and os.path.isdir(parts) and bool(lock_holders(parts))
 
@@ -269,7 +269,7 @@ def ring_targets(ring, producer, producer_log, timeout):
     """The targets of a schedule step from the ring. A producer started early attaches once it has
     loaded its data set: the first call waits for that, and names at once a producer that exited
     without attaching (the ring alone would wait out its timeout for one)."""
-    from store import MissingTargetsError
+    from kdcache.store import MissingTargetsError
     waiting = [producer is not None]
 
     def get(st):

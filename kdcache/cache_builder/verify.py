@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 from kdcache.args import Allowed, Int, Option, Parser, add_options, fail
-from pipeline.options import SHARED_BY_DEST
+from kdcache.pipeline.options import SHARED_BY_DEST
 
 DESCRIPTION = """\
 Check a cache against its teacher: first the store's checks (as kdcache verify PATH without
@@ -81,9 +81,9 @@ def main(argv=None, prog="kdcache verify"):
     args = build_parser(prog).parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # before MXNet loads: only this limits its threads
     os.environ.setdefault("MXNET_SUBGRAPH_VERBOSE", "0")
-    from pipeline.checkpoint import TeacherError
-    from pipeline.datasets import DatasetError
-    from store import StoreError
+    from kdcache.pipeline.checkpoint import TeacherError
+    from kdcache.pipeline.datasets import DatasetError
+    from kdcache.store import StoreError
     try:
         report = check(args)
     except (Refused, TeacherError, DatasetError, StoreError) as e:
@@ -103,7 +103,7 @@ def main(argv=None, prog="kdcache verify"):
 
 def check(args):
     """The store's verdict, then the teacher's: the report as a dict."""
-    from store import registry
+    from kdcache.store import registry
     base = registry.base_path(args.path)
     if not base or not registry.exists(base):
         raise Refused(f"no cache at {args.path!r}: pass a path that `kdcache ls` shows (P, P.h5 or P.parts)")
@@ -111,8 +111,8 @@ def check(args):
     report.update(sound=not problems, problems=problems, teacher_check=None)
     if problems:
         return report
-    from store import CacheSpec
-    from store.segment import open_final
+    from kdcache.store import CacheSpec
+    from kdcache.store.segment import open_final
     with open_final(registry.final_path(base)) as f:  # sound: a finished file of a known format version
         spec = CacheSpec.from_meta(dict(f.attrs))
         topt = recorded_teacher(args, spec.inputs.get("teacher"), report["path"])
@@ -129,7 +129,7 @@ def short(t):
 
 def recorded_teacher(args, rec, where):
     """The passed checkpoint with the preprocessing the cache records; its files must be the cache's."""
-    from pipeline.checkpoint import TeacherOptions, parse_teacher_arg
+    from kdcache.pipeline.checkpoint import TeacherOptions, parse_teacher_arg
     if not isinstance(rec, dict) or not rec.get("params_sha256") or not rec.get("symbol_sha256"):
         raise Refused(f"cache {where} records no teacher checkpoint digests ({rec!r}): it was not built by "
                       f"kdcache cache, so no teacher can be checked against it; drop --teacher")
@@ -161,9 +161,9 @@ def dataset_name(rec):
 def recorded_inputs(args, inputs):
     """(data set, augmentation, augmentation seed) as the cache records them; the data set must be
     the same one (its identity: name, split, length, content digest)."""
-    from pipeline.cachespec import augment_from_inputs
-    from pipeline.datasets import BUILTIN, DATASETS, load_dataset
-    from pipeline.pieces import is_piece
+    from kdcache.pipeline.cachespec import augment_from_inputs
+    from kdcache.pipeline.datasets import BUILTIN, DATASETS, load_dataset
+    from kdcache.pipeline.pieces import is_piece
     rec = inputs.get("dataset")
     if not isinstance(rec, dict) or not (rec.get("name") in DATASETS or is_piece(rec.get("name"))):
         raise Refused(f"the cache records data set {rec!r}, which kdcache cannot load: no teacher check "
@@ -208,8 +208,8 @@ def rule(codec, dtype):
 def compare_rows(stored, fresh, codec, dtype):
     """Per key: (largest |stored - teacher|, tolerance, stored top-1, teacher top-1, top-1 agrees up to
     ties, within tolerance) for stored fields {name: rows} and the teacher's logits [B, C]."""
-    from store import schema
-    from store.codec import log_tail_mass, make_codec
+    from kdcache.store import schema
+    from kdcache.store.codec import log_tail_mass, make_codec
     tol = tolerance(fresh, dtype)
     rows = np.arange(fresh.shape[0])
     best = fresh.max(axis=1)
@@ -253,8 +253,8 @@ def compare(args, f, spec, topt, dataset, augment, seed):
     """Run the teacher on the sampled keys and compare with the stored rows."""
     from tqdm import tqdm
 
-    from pipeline.augment import make_views
-    from pipeline.teacher import load_teacher
+    from kdcache.pipeline.augment import make_views
+    from kdcache.pipeline.teacher import load_teacher
     n_keys = spec.num_keys
     if args.sample == "all" or args.sample >= n_keys:
         keys = np.arange(n_keys, dtype=np.int64)
@@ -306,7 +306,7 @@ def compare(args, f, spec, topt, dataset, augment, seed):
 
 
 def print_report(report):
-    from store.verify import verdict
+    from kdcache.store.verify import verdict
     print(f"{report['path']}: {verdict(report)}")
     for p in report["problems"] + report["suspect"]:
         print(f"  - {p}")

@@ -100,7 +100,7 @@ class CachePath(Allowed):
     """A cache's path: P, P.h5 or P.parts (not a folder of its own)."""
 
     def __call__(self, s):
-        from store.paths import base_path  # the store's own reading of P, P.h5 and P.parts
+        from kdcache.store.paths import base_path  # the store's own reading of P, P.h5 and P.parts
         if str(s).strip() == "auto":
             return None
         v = base_path(str(s).strip())
@@ -247,7 +247,7 @@ def check_views(args, parser):
                      f"({args.views} copies); name a random augmentation (--augment crop:4,flip) or use --views 1")
 
 
-def main(argv=None, prog="python -m pipeline.options"):
+def main(argv=None, prog="python -m kdcache.pipeline.options"):
     """Print the shared options: flag, default, Make variable, allowed values."""
     from kdcache.args import Parser
     Parser(prog=prog, description="The options the producer (kdcache cache) and the trainer (kdcache train) "

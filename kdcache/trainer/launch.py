@@ -1,7 +1,7 @@
-"""python -m trainer.launch: distributed student training on MXNet's kvstore, on this machine.
+"""python -m kdcache.trainer.launch: distributed student training on MXNet's kvstore, on this machine.
 
 Starts a scheduler, a server and --workers workers with the real DMLC_* environment, each
-worker running `python -m trainer --kvstore dist_sync ...` on its part of every batch and
+worker running `python -m kdcache.trainer --kvstore dist_sync ...` on its part of every batch and
 reading its targets from the shared cache (worker 0 starts the producer when one is needed).
 A process that dies ends the whole run with a clear error instead of leaving the others
 blocked in the kvstore. Across hosts, start the same processes by hand: see the README.
@@ -25,7 +25,7 @@ import time
 
 from kdcache import signals
 from kdcache.args import Allowed, Int, Option, Parser, add_options, fail
-from pipeline.children import before_exec
+from kdcache.pipeline.children import before_exec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -72,7 +72,7 @@ LAUNCHER = [
 ]
 
 
-def parse_args(argv=None, prog="python -m trainer.launch"):
+def parse_args(argv=None, prog="python -m kdcache.trainer.launch"):
     """The launcher's options, and the workers' trainer options after them, both checked here: a
     mistake in either ends the command with one line before any process starts."""
     p = Parser(prog=prog, description=__doc__.split("\n\n")[0],
@@ -85,7 +85,7 @@ def parse_args(argv=None, prog="python -m trainer.launch"):
         args, rest = p.parse_args(argv[:i]), argv[i + 1:]
     else:
         args, rest = p.parse_known_args(argv)
-    from trainer.options import parse_args as trainer_args
+    from kdcache.trainer.options import parse_args as trainer_args
     worker = trainer_args(rest, prog=f"{prog} -- (worker options)", launched=True)
     if worker.kvstore is not None or worker.threads is not None:
         p.error("the worker options set --kvstore or --threads: the launcher sets them for every worker; give them "
@@ -95,7 +95,7 @@ def parse_args(argv=None, prog="python -m trainer.launch"):
     return args, rest
 
 
-def main(argv=None, prog="python -m trainer.launch"):
+def main(argv=None, prog="python -m kdcache.trainer.launch"):
     args, rest = parse_args(argv, prog)
     cores = len(os.sched_getaffinity(0))
     threads = args.threads or max(1, cores // args.workers)
@@ -151,7 +151,7 @@ def main(argv=None, prog="python -m trainer.launch"):
             spawn("server", ps)
         for i in range(args.workers):
             signals.check()
-            cmd = [sys.executable, "-m", "trainer", "--kvstore", args.kvstore, "--threads", str(threads), *rest]
+            cmd = [sys.executable, "-m", "kdcache.trainer", "--kvstore", args.kvstore, "--threads", str(threads), *rest]
             # Without oneDNN (MKL-DNN): it keeps convolution weights in a layout of its own that MXNet 1.9's
             # kvstore cannot send ("can't generate TBlob for MKLDNN data"), so a convolutional student failed
             # at its first broadcast. Worker 0's producer inherits this (its teacher runs without oneDNN).

@@ -1,4 +1,4 @@
-"""python -m store: list, inspect, verify and clean the caches in a cache directory."""
+"""python -m kdcache.store: list, inspect, verify and clean the caches in a cache directory."""
 import argparse
 import datetime
 import json
@@ -135,7 +135,7 @@ def cmd_gc(args):
     return 0
 
 
-def main(argv=None, prog="python -m store"):
+def main(argv=None, prog="python -m kdcache.store"):
     p = Parser(prog=prog, description=(
         "Inspect and maintain kdcache soft-target caches. A cache is named by its fingerprint: "
         "<cache-dir>/<fingerprint>.h5 when complete, <fingerprint>.parts/ while producers fill it."))

@@ -12,7 +12,7 @@ where the loop reads the loss anyway, before the optimiser step. The trainer's l
 import numpy as np
 from mxnet import gluon
 
-from store.schema import name_keys
+from kdcache.store.schema import name_keys
 
 
 class NonFiniteError(ValueError):

@@ -1,4 +1,4 @@
-"""python -m trainer: train a student on cached soft targets (or inline KD, or hard labels)."""
+"""python -m kdcache.trainer: train a student on cached soft targets (or inline KD, or hard labels)."""
 if __name__ == "__main__":  # first, before anything heavy is imported: signals at safe points only
     from kdcache import signals as _signals
     _signals.defer()
@@ -23,7 +23,7 @@ def summary(m):
     return "\n".join(f"  {k.ljust(w)}  {v}" for k, v in rows)
 
 
-def main(argv=None, prog="python -m trainer"):
+def main(argv=None, prog="python -m kdcache.trainer"):
     if os.environ.get("DMLC_ROLE") != "worker":
         return train_main(argv, prog)
     # A distributed worker: MXNet's kvstore, destroyed at exit, waits at a barrier for every worker, so a
@@ -43,8 +43,8 @@ def main(argv=None, prog="python -m trainer"):
     return code
 
 
-def train_main(argv=None, prog="python -m trainer"):
-    from trainer.options import parse_args
+def train_main(argv=None, prog="python -m kdcache.trainer"):
+    from kdcache.trainer.options import parse_args
     args = parse_args(argv, prog)
     args.run_name = args.run or time.strftime("%Y%m%d-%H%M%S")
     run_dir = os.path.join(args.runs_dir, args.run_name)
@@ -58,15 +58,15 @@ def train_main(argv=None, prog="python -m trainer"):
                   f"--resume", file=sys.stderr)
             return 2
     if not (args.kvstore or "").startswith("dist"):  # a distributed worker blocks in the kvstore: SIGTERM ends it
-        from pipeline.interrupts import take_sigterm
+        from kdcache.pipeline.interrupts import take_sigterm
         take_sigterm()
     from kdcache import signals
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     logging.basicConfig(level=logging.INFO, format="[trainer %(asctime)s] %(message)s", datefmt="%H:%M:%S")
-    from pipeline.checkpoint import TeacherError
-    from pipeline.datasets import DatasetError
-    from store import StoreError
-    from trainer.targets import MXNET_DATASETS, TrainError, make_plan, spawn_early, split_threads
+    from kdcache.pipeline.checkpoint import TeacherError
+    from kdcache.pipeline.datasets import DatasetError
+    from kdcache.store import StoreError
+    from kdcache.trainer.targets import MXNET_DATASETS, TrainError, make_plan, spawn_early, split_threads
     early = None
     try:
         # The producer starts first, before this process loads its data or imports MXNet: its own
@@ -75,7 +75,7 @@ def train_main(argv=None, prog="python -m trainer"):
         early = spawn_early(args, run_dir, split_threads(args, cores, None), cores)
         # The data, the teacher's identity and the cache's fingerprint, once; for data sets MXNet
         # decodes, after the threads are fixed.
-        from pipeline.pieces import is_piece  # a user's MODULE may import MXNet: after the threads too
+        from kdcache.pipeline.pieces import is_piece  # a user's MODULE may import MXNet: after the threads too
         mxnet_data = args.dataset.split(":")[0] in MXNET_DATASETS or is_piece(args.dataset)
         plan = None if mxnet_data else make_plan(args)
         threads = split_threads(args, cores, plan)
@@ -84,18 +84,18 @@ def train_main(argv=None, prog="python -m trainer"):
         os.environ["OMP_NUM_THREADS"] = str(threads)
         os.environ.setdefault("MXNET_SUBGRAPH_VERBOSE", "0")
         if args.ctx.kind == "gpu":  # GPUs MXNet cannot see: say so before the producer writes
-            from trainer.train import resolve_ctx
+            from kdcache.trainer.train import resolve_ctx
             resolve_ctx(args.ctx)
         plan = plan or make_plan(args)
         signals.check()  # before a held producer is sent on
         early.settle(args, plan)
-        from trainer.train import run
+        from kdcache.trainer.train import run
         m, run_dir = run(args, plan, early, threads, cores)
     except (TrainError, StoreError, DatasetError, TeacherError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:
-        from pipeline.interrupts import exit_status, stop_word
+        from kdcache.pipeline.interrupts import exit_status, stop_word
         print(f"{stop_word(e)}: the last finished epoch is checkpointed; continue with --resume --run NAME",
               file=sys.stderr)
         return exit_status(e)

@@ -1,4 +1,4 @@
-"""python -m cache_builder: run a frozen teacher on the CPU and fill the soft-target cache."""
+"""python -m kdcache.cache_builder: run a frozen teacher on the CPU and fill the soft-target cache."""
 if __name__ == "__main__":  # first, before anything heavy is imported: signals at safe points only
     from kdcache import signals as _signals
     _signals.defer()
@@ -11,8 +11,8 @@ import sys
 import time
 
 from kdcache.args import Int, Name, Option, OutFile, Parser, add_options
-from pipeline.interrupts import exit_status, stop_word, take_sigterm
-from pipeline.options import SHARED, Shard, check_applies, check_views, resolve_teacher
+from kdcache.pipeline.interrupts import exit_status, stop_word, take_sigterm
+from kdcache.pipeline.options import SHARED, Shard, check_applies, check_views, resolve_teacher
 
 DESCRIPTION = """\
 Run a frozen MXNet teacher forward on the CPU over a data set and store its raw logits
@@ -54,13 +54,13 @@ PRODUCER = [
 ]
 
 
-def build_parser(prog="python -m cache_builder"):
+def build_parser(prog="python -m kdcache.cache_builder"):
     p = Parser(prog=prog, description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_options(p, SHARED + PRODUCER, cache={"help": "explicit cache path instead of <cache-dir>/<fingerprint>"})
     return p
 
 
-def parse_args(argv=None, prog="python -m cache_builder"):
+def parse_args(argv=None, prog="python -m kdcache.cache_builder"):
     """The options, checked: a mistake exits here with one line and status 2, before anything runs."""
     p = build_parser(prog)
     args = p.parse_args(argv)
@@ -86,11 +86,11 @@ def parse_args(argv=None, prog="python -m cache_builder"):
     return args
 
 
-def main(argv=None, prog="python -m cache_builder"):
+def main(argv=None, prog="python -m kdcache.cache_builder"):
     args = parse_args(argv, prog)
     take_sigterm()  # SIGTERM stops like Ctrl-C: at a safe point, rows kept, exit 143
     # Threads must be fixed before MXNet is imported: only OMP_NUM_THREADS limits its compute.
-    from cache_builder.produce import default_threads
+    from kdcache.cache_builder.produce import default_threads
     default, cores = default_threads()
     if args.shards > 1:
         default = max(1, cores // args.shards)
@@ -106,9 +106,9 @@ def main(argv=None, prog="python -m cache_builder"):
     log = logging.getLogger("kdcache.producer")
     log.info("teacher uses %d thread(s) of %d core(s); %d left to the trainer (OMP_NUM_THREADS=%d)",
              threads, cores, max(0, cores - threads), threads)
-    from store import StoreError
-    from pipeline.datasets import DatasetError
-    from pipeline.checkpoint import TeacherError
+    from kdcache.store import StoreError
+    from kdcache.pipeline.datasets import DatasetError
+    from kdcache.pipeline.checkpoint import TeacherError
     try:
         return run(args, log)
     except (StoreError, DatasetError, TeacherError, ValueError) as e:
@@ -134,10 +134,10 @@ def write_timeline(path, timeline):
 
 
 def run(args, log):
-    from pipeline.cachespec import spec_from_args
-    from pipeline.checkpoint import TeacherOptions
-    from pipeline.datasets import load_dataset
-    from store import path_for
+    from kdcache.pipeline.cachespec import spec_from_args
+    from kdcache.pipeline.checkpoint import TeacherOptions
+    from kdcache.pipeline.datasets import load_dataset
+    from kdcache.store import path_for
 
     shard = tuple(args.shard)  # (index, count), as --shard parsed it
     topt = TeacherOptions.from_args(args)
@@ -153,7 +153,7 @@ def run(args, log):
               "teacher_forwards": 0, "reused": False, "complete": False, "shard": str(args.shard)}
     timeline = [] if args.timeline else None
     if args.hold:
-        from pipeline.teacher import check_fits, load_teacher
+        from kdcache.pipeline.teacher import check_fits, load_teacher
         teacher = load_teacher(topt, args.batch_size)
         check_fits(teacher, dataset, augment, args.seed)
         path = await_cache(log, spec)
@@ -204,7 +204,7 @@ def await_cache(log, spec, stream=None):
     if fingerprint != spec.fingerprint:
         raise ValueError(f"--hold: the trainer names cache {fingerprint}, these options give {spec.fingerprint}: "
                          f"the two disagree on the teacher, the data set or the shared options; nothing written")
-    from store.paths import base_path
+    from kdcache.store.paths import base_path
     return base_path(path)  # P, P.h5 or P.parts name the same cache: its base, as `fill` takes it
 
 
@@ -235,7 +235,7 @@ def run_shards(args, log, path, spec, result, t0, fill_shard):
     that no shard will write; running the same command again resumes every shard. A stop of the
     command (Ctrl-C, SIGTERM) stops every shard the same way before the command leaves."""
     from kdcache import signals
-    from pipeline.children import die_with_parent
+    from kdcache.pipeline.children import die_with_parent
     parent = os.getpid()
     children = {}
     results, errors, stopped, signalled = [], [], False, set()
@@ -313,7 +313,7 @@ def run_shards(args, log, path, spec, result, t0, fill_shard):
         raise ValueError("; ".join(f"shard {i}/{args.shards}: {o['error']}" for i, o in first)
                          + (f" (shard(s) {', '.join(map(str, sorted(rest)))} stopped with it)" if rest else "")
                          + ": every row written so far is kept; run the same command again to finish the cache")
-    from store.registry import final_path
+    from kdcache.store.registry import final_path
     complete = os.path.exists(final_path(path))
     result.update(shard=f"0..{args.shards - 1}/{args.shards}", complete=complete,
                   cache_path=final_path(path) if complete else path + ".parts",
@@ -328,11 +328,11 @@ def run_shards(args, log, path, spec, result, t0, fill_shard):
 def fill(args, log, shard, path, spec, dataset, augment, topt, result, t0, timeline, teacher=None):
     """Fill this shard of the cache (offline or following the schedule); returns the result dict.
     `teacher`: already loaded and checked against the data (--hold), else loaded here when needed."""
-    from cache_builder.produce import CacheSink, produce_offline, produce_online
-    from pipeline.schedule import EpochDigests
-    from pipeline.teacher import check_fits, load_teacher
-    from store import CacheWriter
-    from store.registry import final_path
+    from kdcache.cache_builder.produce import CacheSink, produce_offline, produce_online
+    from kdcache.pipeline.schedule import EpochDigests
+    from kdcache.pipeline.teacher import check_fits, load_teacher
+    from kdcache.store import CacheWriter
+    from kdcache.store.registry import final_path
     args_shard = f"{shard[0]}/{shard[1]}"
     if teacher is None and not os.path.exists(final_path(path)):
         # The teacher must fit the data before anything is written: a mistake leaves no cache behind.
@@ -372,9 +372,9 @@ def fill(args, log, shard, path, spec, dataset, augment, topt, result, t0, timel
 
 def run_ring(args, log, topt, dataset, augment, spec, result, timeline):
     """Stream the schedule's targets into a shared-memory ring (the trainer reads and frees them)."""
-    from cache_builder.produce import RingSink, produce_online
-    from pipeline.teacher import check_fits, load_teacher
-    from store.ring import RingWriter
+    from kdcache.cache_builder.produce import RingSink, produce_online
+    from kdcache.pipeline.teacher import check_fits, load_teacher
+    from kdcache.store.ring import RingWriter
     create = args.ring_capacity is not None
     timeout = float(os.environ.get("KDCACHE_RING_TIMEOUT", 600))
     if not create:

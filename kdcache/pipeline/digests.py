@@ -17,7 +17,7 @@ import sys
 import tempfile
 import time
 
-from store import file_digest
+from kdcache.store import file_digest
 
 from .dataset_base import DatasetError
 

@@ -1,6 +1,6 @@
 """kdcache trainer: the student trained on cached soft targets.
 
-MXNet is imported lazily (PEP 562): `python -m trainer` must fix OMP_NUM_THREADS first.
+MXNet is imported lazily (PEP 562): `python -m kdcache.trainer` must fix OMP_NUM_THREADS first.
 """
 
 

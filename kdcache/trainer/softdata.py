@@ -21,8 +21,8 @@ import warnings
 import numpy as np
 from mxnet import gluon
 
-from pipeline.augment import apply_one, as_augment
-from store import CacheReader, StoreError
+from kdcache.pipeline.augment import apply_one, as_augment
+from kdcache.store import CacheReader, StoreError
 
 # Values in shared memory, so that worker processes forked before a change see it: the epoch, and whether an
 # order was (or will be) announced.

@@ -155,7 +155,7 @@ def teachers(kids, args, names, work):
         prefix = os.path.join(work, "teachers", name)
         epochs = ["--epochs", QUICK_TEACHER_EPOCHS] if args.quick else []
         log(f"no {name} teacher at {shown}: training one here ({'quick' if args.quick else 'its recipe'})")
-        kids.run(python_m("trainer.make_teacher", "--dataset", arg, "--out", prefix, "--threads", 1, "--quiet",
+        kids.run(python_m("kdcache.trainer.make_teacher", "--dataset", arg, "--out", prefix, "--threads", 1, "--quiet",
                           *epochs), f"training the {name} teacher", timeout=1800, json_line=False)
         out[name] = (prefix, f"trained here ({'quick, ' if args.quick else ''}make_teacher's recipe"
                              f"{f', {QUICK_TEACHER_EPOCHS} epochs' if args.quick else ''})")
@@ -174,7 +174,7 @@ def views_args(name):
 
 def fill(name, arg, prefix, codec, dtype, caches, split="train", seed=0):
     views = views_args(name) if split == "train" else []
-    return (python_m("cache_builder", "--teacher", prefix, "--dataset", arg, "--codec", codec, "--dtype", dtype,
+    return (python_m("kdcache.cache_builder", "--teacher", prefix, "--dataset", arg, "--codec", codec, "--dtype", dtype,
                      "--split", split, "--cache-dir", caches, "--threads", 1, "--quiet", "--json", "--seed", seed,
                      *views), f"{name} {split} cache {codec} {dtype} seed {seed}", 900, None)
 
@@ -187,7 +187,7 @@ def fill_seeds(name, plan):
 
 def student(name, arg, prefix, mode, seed, epochs, work, kd, codec=None, dtype=None):
     run = f"{name}-{mode}-{(codec or '').replace(':', '')}{dtype or ''}-seed{seed}"
-    argv = python_m("trainer", "--dataset", arg, "--teacher-mode", mode, "--student", STUDENT["student"],
+    argv = python_m("kdcache.trainer", "--dataset", arg, "--teacher-mode", mode, "--student", STUDENT["student"],
                     "--epochs", epochs, "--lr", repr(STUDENT["lr"]), "--batch-size", STUDENT["batch_size"],
                     "--temperature", repr(kd["temperature"]), "--alpha", repr(kd["alpha"]),
                     "--seed", seed, "--threads", 1, "--quiet", "--json", "--runs-dir", os.path.join(work, "runs"),

@@ -107,7 +107,7 @@ def run_one(name, prep, root, kids, rep, *, demand=None, order="shuffle", worker
         while not os.path.exists(ready) and tr.proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.02)
         if producer == "online":
-            argv = python_m("cache_builder", "--teacher", prep["prefix"], "--dataset", prep["dataset"], "--cache",
+            argv = python_m("kdcache.cache_builder", "--teacher", prep["prefix"], "--dataset", prep["dataset"], "--cache",
                             cache, "--online", "--seed", SEED, "--epochs", 1, "--batch-size", BATCH, "--threads",
                             THREADS, "--json", "--quiet", "--timeline", os.path.join(d, "timeline.json"))
         else:

@@ -88,7 +88,7 @@ OPTIONS = [
 
 
 def train_teacher(kids, prefix, epochs, seed=0):
-    res = kids.run(python_m("trainer.make_teacher", "--out", prefix, "--epochs", epochs, "--seed", seed,
+    res = kids.run(python_m("kdcache.trainer.make_teacher", "--out", prefix, "--epochs", epochs, "--seed", seed,
                             "--threads", 1, "--quiet"), "training the teacher", timeout=900, json_line=False)
     with open(f"{prefix}-info.json") as fh:
         return {**json.load(fh), "wall_s": round(res["_wall_s"], 1), "prefix": prefix, "trained_here": True}
@@ -97,7 +97,7 @@ def train_teacher(kids, prefix, epochs, seed=0):
 def train_student(kids, work, teacher, mode, seed, p, dtype):
     name = f"{mode}-seed{seed}"
     teacher_opts = ["--teacher", teacher, "--producer-threads", 1] if mode != "none" else []  # none: no teacher
-    argv = python_m("trainer", *teacher_opts, "--teacher-mode", mode, "--student", p["student"],
+    argv = python_m("kdcache.trainer", *teacher_opts, "--teacher-mode", mode, "--student", p["student"],
                     "--epochs", p["epochs"], "--lr", repr(p["lr"]), "--batch-size", p["batch_size"],
                     "--temperature", repr(p["temperature"]), "--alpha", repr(p["alpha"]), "--seed", seed,
                     "--dtype", dtype, "--threads", 1, "--quiet", "--json",

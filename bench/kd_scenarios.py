@@ -39,7 +39,7 @@ def teacher_alone(pair, prefix, dataset, root, kids, passes):
     runs = []
     for i in range(passes):
         cache_dir = os.path.join(root, pair, f"caches-alone-{i}")
-        res = kids.run(python_m("cache_builder", "--teacher", prefix, "--dataset", dataset, "--cache-dir", cache_dir,
+        res = kids.run(python_m("kdcache.cache_builder", "--teacher", prefix, "--dataset", dataset, "--cache-dir", cache_dir,
                                 "--threads", THREADS, "--batch-size", BATCH, "--seed", SEED, "--quiet", "--json"),
                        f"{pair} teacher alone {i + 1}", env=child_env(THREADS), log_dir=root, cwd=root)
         if not res.get("complete") or res.get("rows_written") != res.get("teacher_forwards"):
@@ -54,7 +54,7 @@ def teacher_alone(pair, prefix, dataset, root, kids, passes):
 
 # -- one pair ----------------------------------------------------------------------------------------------
 def trainer_argv(dataset, run_dir_root, run, epochs, *, mode, teacher=None, cache_dir=None, store=None, ctx=None):
-    argv = python_m("trainer", "--dataset", dataset, "--student", STUDENT, "--epochs", epochs, "--batch-size", BATCH,
+    argv = python_m("kdcache.trainer", "--dataset", dataset, "--student", STUDENT, "--epochs", epochs, "--batch-size", BATCH,
                     "--seed", SEED, "--threads", THREADS, "--teacher-mode", mode,
                     "--quiet", "--json", "--runs-dir", run_dir_root, "--run", run)
     if mode != "none":  # without a teacher, teacher options are refused as mistakes

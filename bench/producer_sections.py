@@ -20,7 +20,7 @@ def producer_argv(prefix, dataset_arg, cache_dir, batch, shard="0/1", shards=Non
     """dataset_arg: a --dataset value, or an .npz path (a data set on disk, as users' are)."""
     data = ["--dataset", "npz", "--data-root", dataset_arg] if dataset_arg.endswith(".npz") else \
         ["--dataset", dataset_arg]
-    return python_m("cache_builder", "--teacher", prefix, *data, "--cache-dir", cache_dir, "--batch-size", batch,
+    return python_m("kdcache.cache_builder", "--teacher", prefix, *data, "--cache-dir", cache_dir, "--batch-size", batch,
                     "--threads", THREADS, *(["--shards", shards] if shards else ["--shard", shard]), "--json",
                     "--quiet")
 

@@ -1,5 +1,5 @@
 """examples/ as a user runs them: each file's own "Run" lines, in a folder outside the clone, with
-the installed kdcache (no PYTHONPATH); the README shows the same lines."""
+the installed kdcache (no PYTHONPATH); the manual (docs/examples.md) shows the same lines."""
 import glob
 import json
 import os
@@ -25,14 +25,14 @@ def run_lines(path):
     return [ln.strip() for ln in block.splitlines()]
 
 
-def test_every_example_says_how_to_run_it_and_the_readme_shows_it():
-    readme = open(os.path.join(ROOT, "README.md")).read()
+def test_every_example_says_how_to_run_it_and_the_manual_shows_it():
+    readme = open(os.path.join(ROOT, "docs", "examples.md")).read()
     assert {os.path.basename(p) for p in EXAMPLES} == {"gluon_loop.py", "module_fit.py", "own_pieces.py"}
     for p in EXAMPLES:
         lines = run_lines(p)
         assert lines and any(os.path.basename(p).split(".")[0] in ln for ln in lines)
         for ln in lines:
-            assert ln in readme, f"README lacks the line {ln!r} of {os.path.basename(p)}"
+            assert ln in readme, f"docs/examples.md lacks the line {ln!r} of {os.path.basename(p)}"
 
 
 @pytest.mark.parametrize("example", [os.path.basename(p) for p in EXAMPLES])

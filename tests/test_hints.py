@@ -33,14 +33,14 @@ class Captured(Exception):
 def options_of(name):
     """The option strings the parser of `kdcache NAME` takes (its subcommand's, for the store's)."""
     seen = []
-    real = argparse.ArgumentParser.parse_args
+    real = argparse.ArgumentParser.parse_known_args  # parse_args calls it: both are caught
 
     def capture(self, *a, **k):
         seen.append(self)
         raise Captured
 
     import importlib
-    argparse.ArgumentParser.parse_args = capture
+    argparse.ArgumentParser.parse_known_args = capture
     try:
         mains = [(COMMANDS[name][0], [name] if name in STORE_COMMANDS else [])]
         if name == "verify":
@@ -58,7 +58,7 @@ def options_of(name):
                 if isinstance(action, argparse._SubParsersAction) and name in action.choices:
                     parsers.append(action.choices[name])
     finally:
-        argparse.ArgumentParser.parse_args = real
+        argparse.ArgumentParser.parse_known_args = real
     return {s for p in parsers for s in p._option_string_actions}
 
 

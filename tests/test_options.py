@@ -128,10 +128,10 @@ def test_a_producer_started_by_hand_writes_the_order_a_trainer_reads(tmp_path):
     assert train("--epochs", "1", "--seed", "1")["0"] != produced["0"]
 
 
-def test_the_readme_options_table_is_the_declaration():
+def test_the_manuals_options_table_is_the_declaration():
     from kdcache.args import option_table
     from kdcache.pipeline.options import SHARED
-    text = open(os.path.join(ROOT, "README.md")).read()
+    text = open(os.path.join(ROOT, "docs", "options.md")).read()
     for flag, default, allowed, make in option_table(SHARED):
         row = f"| `{flag}` | {default} | {allowed.replace('|', chr(92) + '|')} | {make or '-'} |"
         assert row in text, row

@@ -71,8 +71,10 @@ def _existing(path):
 
 
 def cmd_inspect(args):
+    from . import checksums
     from .housekeeping import final_spec, parts_spec
     from .segment import open_final
+    from .verify import NO_CHECKSUMS
     base = _existing(args.path)
     fin, parts = registry.final_path(base), registry.parts_path(base)
     entry = registry.info(base)
@@ -80,9 +82,11 @@ def cmd_inspect(args):
         raise StoreError(f"{entry['path']}: {entry['error']}" if entry["path"] not in entry["error"]
                          else entry["error"])
     if os.path.exists(fin):
-        _, meta = final_spec(fin, os.path.basename(base))
+        spec, meta = final_spec(fin, os.path.basename(base))
         with open_final(fin) as f:
             meta["datasets"] = {k: {"shape": list(f[k].shape), "dtype": str(f[k].dtype)} for k in f.keys()}
+            sums = checksums.load(f, fin, spec)
+            meta["checksums"] = sums.describe() if sums else NO_CHECKSUMS
     else:
         _, meta = parts_spec(parts, os.path.basename(base))
     meta.update({k: v for k, v in entry.items() if k not in meta})
@@ -105,6 +109,8 @@ def cmd_verify(args):
         print(f"{report['path']}: {verdict(report)}")
         for p in problems + report["suspect"]:
             print(f"  - {p}")
+        if report.get("checksums", "").startswith("none"):
+            print(f"  checksums: {report['checksums']}")
     # suspect: well formed, but its rows cannot be a teacher's targets for real inputs
     return 0 if not problems and not report["suspect"] else 1
 

@@ -20,7 +20,7 @@ import h5py
 import numpy as np
 from h5py import h5d, h5p
 
-from . import schema
+from . import checksums, schema
 from .errors import NoSpaceError, StoreError
 from .osutil import NotOurs, available_memory, fs_error, fsync_dir, is_ours, open_regular
 from .paths import COMPACT_TMP, base_path, compact_tmp, discard, final_path, parts_path
@@ -109,6 +109,7 @@ def _write_final(tmp, spec, codec, tables, block):
     early = h5p.create(h5p.DATASET_CREATE)
     early.set_alloc_time(h5d.ALLOC_TIME_EARLY)  # every dataset has its place in the file now, unwritten
     places = []
+    sums = checksums.compute(tables, spec)  # of the bytes written below (NOTE [checksums])
     try:
         with h5py.File(tmp, "w", alignment_threshold=64 << 10, alignment_interval=4096) as out:
             for k, val in spec.meta().items():
@@ -120,6 +121,7 @@ def _write_final(tmp, spec, codec, tables, block):
                                        fill_time="never")
                 places.append((name, d.id.get_offset()))
             out.create_dataset(schema.DONE, data=np.ones((n, v), dtype=np.uint8))
+            checksums.write(out, sums, spec)
     except (OSError, RuntimeError) as e:  # h5py's close after a failed write raises RuntimeError
         quiet_h5py_dealloc_errors()
         if _is_full(e):

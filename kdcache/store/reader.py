@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-from . import schema
+from . import checksums, schema
 from .errors import (CacheNotFoundError, DamagedRowsError, FingerprintMismatchError, NoSpaceError,
                      MissingTargetsError, ProducerGoneError)
 from .demand import publish, withdraw
@@ -93,6 +93,7 @@ class CacheReader:
         self.waits = 0  # times get() waited for targets not written yet
         self._lock = threading.RLock()  # NOTE [threads]
         self._map = None  # the mapped file (store.mapped.FileMap), checked before each batch read from it
+        self._guard = None  # the map's checksums, until every chunk was checked (store.checksums.Guard)
         try:
             settle(self.base)  # a crash may have left every key committed and the compaction undone
         except NoSpaceError as e:  # the segments hold every row: read them; compaction is retried later
@@ -162,12 +163,15 @@ class CacheReader:
         if self.use_mmap:
             try:
                 tables, fmap = map_fields(f, self.final, self.codec.fields, nk)
+                sums = checksums.load(f, self.final, self.spec)
             except MapUnavailable as e:
                 log.warning("%s: not memory-mapped, %s; reading it %s instead", self.final, e,
                             "into RAM" if self.in_ram else "from disk per batch")
             else:
                 f.close()
                 self._map = fmap
+                # each chunk is checked the first time a batch touches it (NOTE [checksums])
+                self._guard = checksums.Guard(sums, tables, self.base) if sums else None
                 self._tables, self.source, self.in_ram = tables, "map", False
                 self._done[:] = True
                 self._set_complete()
@@ -304,16 +308,30 @@ class CacheReader:
             if idx.size and idx.min() < 0:
                 raise self._index_error(idx.reshape(-1))
             try:
-                return hot[idx.reshape(-1)].astype(np.float32, copy=False)
+                out = hot[idx.reshape(-1)].astype(np.float32, copy=False)
             except IndexError:
                 raise self._index_error(idx.reshape(-1)) from None
+            if self._guard is not None:
+                self._check_sums(idx)
+            return out
         keys = self.flat_keys(indices, views)
         try:
+            if self._guard is not None:  # before decoding: a damaged row is named as such, not as a bad value
+                self._check_sums(keys)
             if hot is not None:
                 return hot[keys].astype(np.float32, copy=False)
             return self._get(keys, wait, timeout)
         except IndexError:
             raise self._index_error(np.asarray(indices, dtype=np.int64).reshape(-1)) from None
+
+    def _check_sums(self, keys):
+        """The checksums of the mapped chunks these (valid) keys lie in, the first time each is touched."""
+        guard = self._guard
+        if guard is None:
+            return
+        guard.check(keys)
+        if guard.done:
+            self._guard = None  # every chunk checked: nothing more to do per batch
 
     def _get(self, keys, wait, timeout):
         if not self.complete and not self._done[keys].all():
@@ -410,7 +428,7 @@ class CacheReader:
         if self._file is not None:
             self._file.close()
             self._file = None
-        self._tables = self._hot = self._map = None  # a mapping closes with the last array over it
+        self._tables = self._hot = self._map = self._guard = None  # a mapping closes with the last array over it
         if self._demanding:
             withdraw(self.parts)
             self._demanding = False

@@ -45,6 +45,11 @@ INT8_CODES = "int8_codes"       # int8 codec: uint8 codes of all C logits, (x - 
 INT8_LO = "int8_lo"             # int8 codec: the row's smallest logit (float32)
 INT8_SCALE = "int8_scale"       # int8 codec: the row's step, (max - min) / 255 (float32; 0 for a constant row)
 DONE = "done"                   # final file: uint8 [N, V], 1 where the row holds the teacher's output
+CHECKSUMS = "checksums"         # final file: uint32 [chunks, fields], a CRC-32 of each codec field's bytes per
+                                # chunk of samples (store.checksums); absent in files written before it existed
+CK_ALGORITHM = "algorithm"      # checksums attribute: "crc32" (zlib.crc32 of the row bytes, as stored)
+CK_SAMPLES = "samples_per_chunk"  # checksums attribute: samples (all their views) per chunk; the last may be short
+CK_FIELDS = "fields"            # checksums attribute: JSON list of the codec fields, in the table's column order
 SEG_KEYS = "keys"               # segment: int64 [rows], flat key of each appended row
 SEG_STATE = "state"             # segment: int64 [STATE_LEN], see STATE_* below
 STATE_ROWS = 0                  # rows committed (durable; readers trust rows [0, rows))

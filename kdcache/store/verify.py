@@ -4,12 +4,15 @@ import os
 
 import numpy as np
 
-from . import schema
+from . import checksums, schema
 from .errors import StoreError, UnsupportedFormatError
 from .housekeeping import settle
 from .paths import base_path, final_path, parts_path
 from .segment import committed_rows, list_segments, open_final, open_swmr, read_manifest, read_segment_rows
 from .validate import check_final, read_meta, spec_from_meta
+
+
+NO_CHECKSUMS = "none (written before kdcache stored checksums): verify checks its values, not its bytes"
 
 
 def _differs(rows, row):
@@ -101,16 +104,32 @@ def verify(path, *, block_rows=65536):
                 n, v = spec.num_samples, spec.views
                 report.update(fingerprint=spec.fingerprint, num_keys=spec.num_keys, kind=meta.get(schema.A_KIND))
                 step = max(1, block_rows // v)
+                sums = checksums.load(f, fin, spec)
+                report["checksums"] = sums.describe() if sums else NO_CHECKSUMS
+                if sums:  # blocks of whole chunks
+                    step = max(1, step // sums.samples) * sums.samples
                 for a in range(0, n, step):
                     if not np.all(f[schema.DONE][a:a + step] == 1):
                         problems.append(f"{fin}: some rows are not marked done")
                         break
                 scan = ValueScan(v)
+                first_bad, bad_chunks = None, 0
                 for a in range(0, n, step):
                     fields = {fname: f[fname][a:a + step] for fname, _, _ in codec.fields}
+                    if sums:
+                        for c in range(a // sums.samples, -(-min(n, a + step) // sums.samples)):
+                            lo, hi = (s - a for s in sums.rows(c))
+                            names = sums.bad_fields_of(c, {k: x[lo:hi] for k, x in fields.items()})
+                            if names:
+                                bad_chunks += 1
+                                first_bad = first_bad or (c, names)
                     check_rows(fields, f"{fin} samples [{a}, {min(n, a + step)})", spec.num_classes)
                     b = min(n, a + step)
                     scan.add(fields, np.arange(a * v, b * v, dtype=np.int64), fin)
+                if first_bad:  # first: the other problems a damaged chunk raises are its consequences
+                    more = f"the first of {bad_chunks} bad chunks; " if bad_chunks > 1 else ""
+                    problems.insert(0, sums.damage(*first_bad, f"{more}remove it (kdcache gc) and rebuild it, "
+                                                               f"or copy it again from its source"))
                 problems += [p for p in (scan.problem(),) if p]
                 report["suspect"] += [p for p in (scan.suspect(fin, spec.num_keys),) if p and not problems]
                 report["done"] = 1.0

@@ -109,8 +109,8 @@ def cmd_verify(args):
         print(f"{report['path']}: {verdict(report)}")
         for p in problems + report["suspect"]:
             print(f"  - {p}")
-        if report.get("checksums", "").startswith("none"):
-            print(f"  checksums: {report['checksums']}")
+        if report.get("checksums", "").startswith("no checksums"):
+            print(f"  {report['checksums']}")
     # suspect: well formed, but its rows cannot be a teacher's targets for real inputs
     return 0 if not problems and not report["suspect"] else 1
 

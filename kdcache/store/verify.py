@@ -12,7 +12,7 @@ from .segment import committed_rows, list_segments, open_final, open_swmr, read_
 from .validate import check_final, read_meta, spec_from_meta
 
 
-NO_CHECKSUMS = "none (written before kdcache stored checksums): verify checks its values, not its bytes"
+NO_CHECKSUMS = "no checksums (written before kdcache stored them): verify checks its values, not its bytes"
 
 
 def _differs(rows, row):

@@ -30,6 +30,9 @@ PRODUCER = [
            "instead of key order", action="store_true", group="producing"),
     Option("--threads", "teacher compute threads (default: all cores but one, left to the trainer; "
            "cores/N with --shards N)", type=Int(1, 1024), metavar="N", group="producing", make="THREADS"),
+    Option("--decode-workers", "processes that decode and augment the next batches while the teacher runs this one "
+           "(0: in this process; default: the cores the teacher's threads leave for image files (recordio, "
+           "imagefolder), 0 for data held in RAM)", type=Int(0, 256), metavar="N", group="producing"),
     Option("--shard", "fill only the keys with key mod n = i (n producers share the work)", type=Shard(),
            default="0/1", metavar="i/n", group="producing"),
     Option("--shards", "fork N shard producers after loading the data set once (each --threads, default "
@@ -100,6 +103,7 @@ def main(argv=None, prog="python -m kdcache.cache_builder"):
               file=sys.stderr)
         return 2
     threads = args.threads or int(env_threads or 0) or default
+    args.cores, args.teacher_threads = cores, threads  # for the decode workers' default (decode_workers)
     os.environ["OMP_NUM_THREADS"] = str(threads)
     os.environ.setdefault("MXNET_SUBGRAPH_VERBOSE", "0")
     logging.basicConfig(level=logging.INFO, format="[producer %(asctime)s] %(message)s", datefmt="%H:%M:%S")
@@ -325,6 +329,18 @@ def run_shards(args, log, path, spec, result, t0, fill_shard):
     return report(args, log, spec, result)
 
 
+def decode_workers(args, log, dataset):
+    """--decode-workers, or its default for this data set and the cores the teachers leave (logged)."""
+    from kdcache.pipeline.decode import default_workers
+    n = args.decode_workers
+    if n is None:
+        n = default_workers(dataset, getattr(args, "teacher_threads", 1), getattr(args, "cores", 1),
+                            producers=args.shards)
+    log.info("images made %s", f"by {n} decode worker process(es), ahead of the teacher" if n
+             else "in this process, one batch at a time")
+    return n
+
+
 def fill(args, log, shard, path, spec, dataset, augment, topt, result, t0, timeline, teacher=None):
     """Fill this shard of the cache (offline or following the schedule); returns the result dict.
     `teacher`: already loaded and checked against the data (--hold), else loaded here when needed."""
@@ -351,11 +367,13 @@ def fill(args, log, shard, path, spec, dataset, augment, topt, result, t0, timel
                 digests = EpochDigests(len(dataset), args.batch_size)
                 stats = produce_online(teacher, dataset, CacheSink(writer), seed=args.seed, augment=augment,
                                        batch_size=args.batch_size, epochs=args.epochs, progress=not args.quiet,
-                                       timeline=timeline, digests=digests)
+                                       timeline=timeline, digests=digests,
+                                       decode_workers=decode_workers(args, log, dataset))
                 result["schedule_sha256"] = digests.complete()
             else:
                 stats = produce_offline(teacher, dataset, writer, seed=args.seed, augment=augment,
-                                        batch_size=args.batch_size, progress=not args.quiet)
+                                        batch_size=args.batch_size, progress=not args.quiet,
+                                        decode_workers=decode_workers(args, log, dataset))
             result.update(rows_written=stats.rows_written, teacher_forwards=teacher.forwards,
                           rows_per_s=round(stats.rows_per_s, 1), teacher_s=round(stats.teacher_seconds, 3),
                           demand_rows=stats.demand_rows)
@@ -393,7 +411,7 @@ def run_ring(args, log, topt, dataset, augment, spec, result, timeline):
         check_fits(teacher, dataset, augment, args.seed)
         stats = produce_online(teacher, dataset, RingSink(ring, spec), seed=args.seed, augment=augment,
                                batch_size=args.batch_size, epochs=args.epochs, progress=not args.quiet,
-                               timeline=timeline)
+                               timeline=timeline, decode_workers=decode_workers(args, log, dataset))
         ok = True
     finally:
         ring.close(finished=ok)

@@ -4,6 +4,7 @@ Offline fills every key of the cache in key order, serving first the keys reader
 announce (store.demand: a user's shuffled DataLoader, whose order kdcache does not know). Online follows the training schedule, so
 keys are written in the order the trainer will read them, as far ahead as the store allows.
 """
+import collections
 import dataclasses
 import logging
 import os
@@ -14,6 +15,7 @@ from tqdm import tqdm
 
 from kdcache.pipeline.augment import make_views
 from kdcache.pipeline.checkpoint import TeacherError
+from kdcache.pipeline.decode import PREFETCH, Decoder
 from kdcache.pipeline.teacher import NonFiniteOutputError
 from kdcache.pipeline.interrupts import Interrupts
 from kdcache.pipeline.schedule import schedule, steps_per_epoch
@@ -41,15 +43,16 @@ class Stats:
         return self.rows_written / self.seconds if self.seconds else 0.0
 
 
-def teacher_rows(teacher, dataset, indices, views, *, seed, augment):
-    """Logits [B, C] of keys (indices, views): the same inputs the student will see.
+def teacher_rows(teacher, dataset, indices, views, *, seed, augment, images=None):
+    """Logits [B, C] of keys (indices, views): the same inputs the student will see (`images`: those
+    inputs, made already by a pipeline.decode.Decoder).
 
     Every producer (offline, shards, online, ring) gets its rows here, so here a batch with a
     non-finite input image or teacher output is refused, naming its keys, before any of it is
     written. Images are checked too: NaN images can come out of some teachers as finite rows, all
     the same (a pooling or batch-norm layer), which the cache would then hold for every key.
     """
-    x, _ = make_views(dataset, indices, views, seed=seed, augment=augment)
+    x = images if images is not None else make_views(dataset, indices, views, seed=seed, augment=augment)[0]
     indices = np.asarray(indices)
     views = np.broadcast_to(np.asarray(views, dtype=np.int64), np.shape(indices))
     bad = ~np.isfinite(np.reshape(x, (len(x), -1))).all(axis=1)
@@ -79,9 +82,11 @@ def teacher_rows(teacher, dataset, indices, views, *, seed, augment):
     return out
 
 
-def produce_offline(teacher, dataset, writer, *, seed, augment, batch_size, progress=True, demand=True):
+def produce_offline(teacher, dataset, writer, *, seed, augment, batch_size, progress=True, demand=True,
+                    decode_workers=0):
     """Fill every key this writer owes, in key order; with `demand`, the keys readers wait for or
-    announce go first (polled between batches)."""
+    announce go first (polled between batches). `decode_workers` processes make the images of the
+    next blocks while the teacher runs this one (pipeline.decode; 0: in this process)."""
     spec = writer.spec
     # Batches are fixed blocks of this shard's keys, whatever is already done: a batch is
     # committed whole, so a resumed run feeds the teacher exactly the batches an uninterrupted
@@ -95,27 +100,41 @@ def produce_offline(teacher, dataset, writer, *, seed, augment, batch_size, prog
                disable=not progress, dynamic_ncols=True, smoothing=0.1)
     wanted = Demand(writer.parts, spec.num_keys, writer.shard, writer.nshards) if demand else None
     interrupts = Interrupts().install()
+    decoder = Decoder(dataset, seed=seed, augment=augment, workers=decode_workers)
+    ahead = collections.deque()  # (keys, ticket): the next blocks in key order, asked for ahead
     a = 0
     try:
-        while a < owned.size:
+        while a < owned.size or ahead:
             interrupts.check()  # Ctrl-C stops here, between committed batches
             keys = np.zeros(0, dtype=np.int64)
             if wanted is not None and wanted.poll():
                 keys = wanted.take(writer.is_done, batch_size)
-            if keys.size == 0:  # the next block in key order
-                keys = owned[a:a + batch_size]
-                a += batch_size
-                keys = keys[~writer.is_done(keys)]
-            if keys.size == 0:
-                continue
+            if keys.size:  # readers wait for these: made now (the blocks asked for ahead wait)
+                images = decoder.take(decoder.submit(keys // spec.views, keys % spec.views))
+            else:
+                while len(ahead) <= PREFETCH and a < owned.size:  # the next blocks in key order
+                    block = owned[a:a + batch_size]
+                    a += batch_size
+                    block = block[~writer.is_done(block)]
+                    if block.size:
+                        ahead.append((block, decoder.submit(block // spec.views, block % spec.views)))
+                if not ahead:
+                    continue
+                keys, ticket = ahead.popleft()
+                images = decoder.take(ticket)
+                fresh = ~writer.is_done(keys)  # readers' demand may have had some written since
+                keys, images = keys[fresh], images[fresh]
+                if keys.size == 0:
+                    continue
             idx, views = keys // spec.views, keys % spec.views
             t1 = time.perf_counter()
-            logits = teacher_rows(teacher, dataset, idx, views, seed=seed, augment=augment)
+            logits = teacher_rows(teacher, dataset, idx, views, seed=seed, augment=augment, images=images)
             stats.teacher_seconds += time.perf_counter() - t1
             stats.teacher_forwards += keys.size
             stats.rows_written += writer.write(idx, logits, views=views)
             bar.update(keys.size)
     finally:
+        decoder.close()
         interrupts.restore()
         bar.close()
         stats.seconds = time.perf_counter() - t0
@@ -160,14 +179,15 @@ class RingSink:
 
 
 def produce_online(teacher, dataset, sink, *, seed, augment, batch_size, epochs, start_epoch=0,
-                   progress=True, report_every_s=0.5, timeline=None, digests=None):
+                   progress=True, report_every_s=0.5, timeline=None, digests=None, decode_workers=0):
     """Follow the training schedule: each step's keys, skipping those already cached.
 
     With a persistent cache the producer runs as far ahead as it can; with the ring buffer the
     writer blocks when the ring is full (back-pressure). The trainer's position, when it
     reports one, is shown as the producer's lead in steps. `timeline`, a list, receives
     (unix time, schedule position, rows computed) after each step; `digests`, a
-    pipeline.schedule.EpochDigests, the keys of each step followed.
+    pipeline.schedule.EpochDigests, the keys of each step followed. `decode_workers` processes make
+    the images of the next steps while the teacher runs this one (pipeline.decode; 0: in this process).
     """
     spec = sink.spec
     n = spec.num_samples
@@ -182,16 +202,31 @@ def produce_online(teacher, dataset, sink, *, seed, augment, batch_size, epochs,
     # Into a cache, Ctrl-C stops between committed steps. Into a ring it is taken as it comes: a
     # write may wait for the trainer to free slots, and a stop must not wait for that.
     interrupts = Interrupts().install() if sink.base is not None else Interrupts()
+    decoder = Decoder(dataset, seed=seed, augment=augment, workers=decode_workers)
+    steps = schedule(seed, epochs, n, batch_size, spec.views, start_epoch)
+    ahead = collections.deque()  # (step, keys needed, ticket): the next steps, their images asked for ahead
     try:
-        for st in schedule(seed, epochs, n, batch_size, spec.views, start_epoch):
+        while True:
             interrupts.check()
-            need = sink.need(st.indices, st.view, st.epoch)
+            for st in steps:
+                need = sink.need(st.indices, st.view, st.epoch)
+                ahead.append((st, need, decoder.submit(st.indices[need], st.view) if need.any() else None))
+                if len(ahead) > PREFETCH:
+                    break
+            if not ahead:
+                break
+            st, need, ticket = ahead.popleft()
             if digests is not None:
                 digests.add(st)
             if need.any():
+                images = decoder.take(ticket)
+                fresh = sink.need(st.indices[need], st.view, st.epoch)  # asked for ahead: written since?
+                need[need] = fresh
+                images = images[fresh]
+            if need.any():
                 idx = st.indices[need]
                 t1 = time.perf_counter()
-                logits = teacher_rows(teacher, dataset, idx, st.view, seed=seed, augment=augment)
+                logits = teacher_rows(teacher, dataset, idx, st.view, seed=seed, augment=augment, images=images)
                 stats.teacher_seconds += time.perf_counter() - t1
                 stats.teacher_forwards += idx.size
                 stats.rows_written += sink.write(idx, logits, st.view, st.epoch)
@@ -208,6 +243,7 @@ def produce_online(teacher, dataset, sink, *, seed, augment, batch_size, epochs,
                 bar.update(max(0, bar.total - bar.n))  # done: the bar says so
                 break  # every key is cached: later epochs would only re-read it
     finally:
+        decoder.close()
         interrupts.restore()
         bar.close()
         stats.seconds = time.perf_counter() - t0

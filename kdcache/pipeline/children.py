@@ -30,11 +30,22 @@ def before_exec(parent):
     _death_signal(parent)
 
 
-def _death_signal(parent):
+def _death_signal(parent, sig=signal.SIGTERM):
     try:
         import ctypes
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
     except Exception:
         pass
     if os.getppid() != parent:  # it died before prctl took effect
         os._exit(143)
+
+
+def worker_of(parent):
+    """In a forked helper that holds nothing to save (a decode worker): Ctrl-C and SIGTERM are left
+    to `parent`, which stops it by closing its pipes at its own safe point (a worker that took the
+    terminal's Ctrl-C itself would look to the parent like one that died); it is killed (SIGKILL)
+    when `parent` dies, even by kill -9 (Linux)."""
+    for sig in signals.SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, signals.SIGNALS)
+    _death_signal(parent, signal.SIGKILL)

@@ -146,6 +146,8 @@ class DecodedDataset(Dataset):
     """Images decoded by MXNet on demand, resized to `size`; the file handle opens lazily per
     process (as MXRecordIO does after a fork)."""
 
+    decodes = True  # costly per image: the producer makes its images in decode workers (pipeline.decode)
+
     def __init__(self, name, split, n, labels, num_classes, size, params):
         self.name, self.split = name, split
         self.labels = np.asarray(labels, dtype=np.int64)

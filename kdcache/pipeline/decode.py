@@ -1,0 +1,243 @@
+"""The producer's images: decoded and augmented in worker processes, in order, ahead of the teacher.
+
+NOTE (decode workers). Decoding a photo and building its view costs ~2.5 ms, a light teacher's
+forward a few ms: done in series, in the producer's own process, decoding starves the teacher.
+A Decoder forks `workers` processes once; each batch is cut into one contiguous chunk per worker,
+and every worker serves its chunks first in, first out, so the parent reads chunk j of batch k
+from worker j in the order it asked: order holds without sequence numbers. Batches are asked for
+ahead (PREFETCH), so the workers decode the next batches while the teacher runs this one. A
+worker runs the very function the in-process path runs (augment.make_views) on a slice of the
+batch: the views are keyed per sample, so the images are bit-identical either way.
+
+Errors travel back as the exception the in-process path would raise (a DatasetError naming the
+file), at the batch they belong to: batches before it are written, as without workers. Workers
+hold nothing to save: they ignore Ctrl-C and SIGTERM (the parent takes them at its safe points and
+then closes the pipes, which ends the workers), and die with the parent (children.worker_of). A
+worker that dies (kill -9, out of memory) is one line from the parent, DecodeWorkerError.
+"""
+import collections
+import os
+import pickle
+import signal
+
+import numpy as np
+
+from .augment import make_views
+
+PREFETCH = 2  # batches asked for ahead of the one the teacher runs
+STOP_WAIT_S = 5.0  # a worker gets this long to leave after its pipes close, then SIGKILL
+
+
+class DecodeWorkerError(ValueError):
+    """A decode worker process died or stopped answering; the message says how and what to do."""
+
+
+def default_workers(dataset, teacher_threads, cores, producers=1):
+    """The decode workers when --decode-workers is not given: none (in-process) for data held in
+    RAM, whose views cost little; for image files the cores the teachers' threads leave, none when
+    they leave none (decoding then runs in series, as before)."""
+    if not getattr(dataset, "decodes", False):
+        return 0
+    return max(0, cores - teacher_threads * producers)
+
+
+class Decoder:
+    """make_views(dataset, indices, views) for the producer's batches: submit() a batch ahead,
+    take() its images later. A ticket taken before older ones makes the parent read the older ones
+    first (the workers answer in order) and keep them, errors included, for their own take().
+    With workers=0 the images are made in this process, at take()."""
+
+    def __init__(self, dataset, *, seed, augment, workers=0):
+        self.dataset, self.seed, self.augment = dataset, seed, augment
+        self.pending = collections.OrderedDict()  # ticket -> (indices, views, chunk bounds), oldest first
+        self.ready = {}  # ticket -> images or the exception, read before their turn
+        self.next_ticket = 0
+        self.workers = []  # (pid, task connection, result connection)
+        if workers > 0:
+            self._start(int(workers))
+
+    # --- the parent's side ---------------------------------------------------------------
+    def _start(self, n):
+        import multiprocessing.connection as mpc  # noqa: F401 (Pipe below)
+        from multiprocessing import Pipe
+
+        from .children import worker_of
+        parent = os.getpid()
+        for _ in range(n):
+            task_r, task_w = Pipe(duplex=False)
+            res_r, res_w = Pipe(duplex=False)
+            pid = os.fork()
+            if pid == 0:
+                code = 0
+                try:
+                    worker_of(parent)
+                    for _, t, r in self.workers:  # the other workers' pipes are not this one's
+                        t.close()
+                        r.close()
+                    task_w.close()
+                    res_r.close()
+                    self._serve(task_r, res_w)
+                except BaseException:
+                    code = 1
+                finally:
+                    os._exit(code)  # never the parent's clean-up (its HDF5 file, its atexit)
+            task_r.close()
+            res_w.close()
+            self.workers.append((pid, task_w, res_r))
+
+    def submit(self, indices, views):
+        """Ask for the images of keys (indices, views); returns the ticket take() wants."""
+        indices = np.asarray(indices, dtype=np.int64)
+        views = np.broadcast_to(np.asarray(views, dtype=np.int64), indices.shape).copy()
+        ticket = self.next_ticket
+        self.next_ticket += 1
+        bounds = []
+        if self.workers:
+            cuts = np.linspace(0, len(indices), len(self.workers) + 1).astype(int)
+            for j, (a, b) in enumerate(zip(cuts[:-1], cuts[1:])):
+                if b > a:
+                    self._send(j, (indices[a:b], views[a:b]))
+                    bounds.append((j, a, b))
+        self.pending[ticket] = (indices, views, bounds)
+        return ticket
+
+    def take(self, ticket):
+        """The images (float32 [B, C, H, W]) of the batch `ticket` asked for."""
+        if not self.workers:
+            indices, views, _ = self.pending.pop(ticket)
+            return make_views(self.dataset, indices, views, seed=self.seed, augment=self.augment)[0]
+        while ticket not in self.ready:
+            t, (indices, views, bounds) = self.pending.popitem(last=False)
+            try:
+                self.ready[t] = self._read(indices, bounds)
+            except DecodeWorkerError:
+                raise
+            except Exception as e:  # the batch's own error: raised at its turn
+                self.ready[t] = e
+        got = self.ready.pop(ticket)
+        if isinstance(got, BaseException):
+            raise got
+        return got
+
+    def _read(self, indices, bounds):
+        """One batch's chunks, from each worker in turn."""
+        out, error = None, None
+        for j, a, b in bounds:  # every chunk is read, even after an error: the pipes stay in step
+            head = self._recv(j)
+            if head[0] == "error":
+                error = error or head[1]
+                continue
+            shape, dtype = tuple(head[1]), np.dtype(head[2])
+            if out is None and error is None:
+                out = np.empty((len(indices),) + shape[1:], dtype=dtype)
+            if error is None and out.shape[1:] == shape[1:] and out.dtype == dtype:
+                self._recv_into(j, out[a:b])
+            else:
+                self._recv_into(j, np.empty(shape, dtype=dtype))  # read and dropped
+                if error is None:
+                    from .dataset_base import DatasetError
+                    error = DatasetError(
+                        f"{self.dataset.name}: images of different sizes {sorted({out.shape[1:], shape[1:]})} in "
+                        f"one batch: pass --image-size HxW to resize them")
+        if error is not None:
+            raise error
+        return out
+
+    def _send(self, j, task):
+        try:
+            self.workers[j][1].send(task)
+        except OSError:
+            self._died(j)
+
+    def _recv(self, j):
+        from kdcache import signals
+        try:
+            with signals.interruptible():  # a stop while waiting for a worker: nothing is half done here
+                return self.workers[j][2].recv()
+        except (EOFError, OSError):
+            self._died(j)
+
+    def _recv_into(self, j, arr):
+        try:
+            n = self.workers[j][2].recv_bytes_into(memoryview(arr).cast("B"))
+        except (EOFError, OSError):
+            self._died(j)
+        if n != arr.nbytes:
+            raise DecodeWorkerError(f"decode worker {self.workers[j][0]} sent {n} bytes for a chunk of "
+                                    f"{arr.nbytes}: rerun; rows written so far are kept")
+
+    def _died(self, j):
+        """Worker j's pipe closed: it died. One line saying how; a stop of this process comes first
+        (its signal may have reached the worker's group too)."""
+        from kdcache import signals
+        signals.check()
+        pid = self.workers[j][0]
+        try:
+            got, status = os.waitpid(pid, 0)
+            how = (f"was killed by signal {os.WTERMSIG(status)} ({signal.Signals(os.WTERMSIG(status)).name})"
+                   if os.WIFSIGNALED(status) else f"exited with status {os.waitstatus_to_exitcode(status)}")
+        except ChildProcessError:
+            how = "is gone"
+        self.workers[j] = (None,) + self.workers[j][1:]
+        raise DecodeWorkerError(f"decode worker process {pid} {how}: every row written so far is kept; run the "
+                                f"same command again to resume (--decode-workers 0 decodes in this process)")
+
+    def close(self):
+        """End the workers: their pipes close (each leaves after its current chunk, or at once when
+        it is blocked writing to the parent), then they are waited for; SIGKILL after STOP_WAIT_S."""
+        import time
+        workers, self.workers = self.workers, []
+        self.pending.clear()
+        self.ready.clear()
+        for pid, t, r in workers:
+            t.close()
+            r.close()
+        deadline = time.monotonic() + STOP_WAIT_S
+        for pid, _, _ in workers:
+            if pid is None:
+                continue
+            while True:
+                try:
+                    got, _ = os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:
+                    break
+                if got:
+                    break
+                if time.monotonic() > deadline:
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                    break
+                time.sleep(0.005)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # --- the worker's side ---------------------------------------------------------------
+    def _serve(self, tasks, results):
+        """Make each chunk's images, in the order asked; an exception goes back in place of them."""
+        while True:
+            try:
+                indices, views = tasks.recv()
+            except (EOFError, OSError):
+                return  # the parent closed the pipe: done
+            try:
+                x = np.ascontiguousarray(make_views(self.dataset, indices, views, seed=self.seed,
+                                                    augment=self.augment)[0])
+            except Exception as e:
+                try:  # the parent raises it as it is, when it can be rebuilt there
+                    pickle.loads(pickle.dumps(e))
+                except Exception:
+                    e = RuntimeError(f"{type(e).__name__}: {e}")
+                try:
+                    results.send(("error", e))
+                except OSError:
+                    return
+                continue
+            try:
+                results.send(("ok", x.shape, x.dtype.str))
+                results.send_bytes(memoryview(x).cast("B"))
+            except OSError:
+                return  # the parent is gone or stopped reading

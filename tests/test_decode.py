@@ -1,0 +1,173 @@
+"""Decode workers: the producer's images made in worker processes are the in-process images, bit for bit;
+a damaged photo, a killed worker and a stop are each one line, with the rows before kept and no process left."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from tests.helpers import CHILD_ENV, ROOT, gluon_teacher
+
+PHOTOS, BATCH = 48, 16
+COMMON = ("--image-size", "40x40", "--augment", "rrc:8,flip", "--batch-size", BATCH, "--dtype", "float32")
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory):
+    """48 JPEG photos of 300-500 px (bench.decode's set), a RecordIO of their first 24, and a teacher for 3x8x8."""
+    from bench.decode import make_photos
+    d = tmp_path_factory.mktemp("photos")
+    make_photos(str(d / "folder"), PHOTOS)
+    from tests.datafiles import write_rec
+    from kdcache.pipeline.images import ImageFolderDataset
+    items = ImageFolderDataset(str(d / "folder"), "train", (40, 40))._folder.items[:24]
+    from PIL import Image
+    imgs = [np.asarray(Image.open(p).convert("RGB")) for p, _ in items]
+    write_rec(str(d / "p.rec"), imgs, [lab for _, lab in items])
+    gluon_teacher(str(d / "t"), classes=10, in_ch=3)
+    (d / "slowaug.py").write_text("import time\n\ndef slow(image, rng):\n    time.sleep(0.05)\n    return image\n")
+    return d
+
+
+def producer(photos, cache_dir, *args, check=True, **kw):
+    env = dict(CHILD_ENV, PYTHONPATH=os.pathsep.join([ROOT, str(photos)]))
+    r = subprocess.run([sys.executable, "-m", "kdcache.cache_builder", "--quiet", "--json", "--dataset", "imagefolder",
+                        "--data-root", str(photos / "folder"), "--teacher", str(photos / "t"), "--cache-dir",
+                        str(cache_dir), *map(str, COMMON), *map(str, args)],
+                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=300, **kw)
+    if check:
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout.strip().splitlines()[-1])
+    return r
+
+
+@pytest.mark.parametrize("kind", ["imagefolder", "recordio"])
+def test_workers_make_the_in_process_images_bit_for_bit(photos, kind):
+    """Keys -> images through 1 and 3 workers, batches asked for ahead and taken out of order, equal
+    make_views in this process byte for byte (rrc with flip: every key its own crop)."""
+    from kdcache.pipeline.augment import Augment, make_views
+    from kdcache.pipeline.datasets import load_dataset
+    from kdcache.pipeline.decode import Decoder
+    root = photos / ("folder" if kind == "imagefolder" else "p.rec")
+    ds = load_dataset(kind, data_root=str(root), image_size="40x40")
+    aug = Augment.parse("rrc:8,flip")
+    idx = np.random.default_rng(3).permutation(len(ds))
+    views = np.arange(len(ds)) % 3
+    want = make_views(ds, idx, views, seed=7, augment=aug)[0]
+    for workers in (1, 3):
+        with Decoder(ds, seed=7, augment=aug, workers=workers) as d:
+            tickets = [d.submit(idx[a:a + 10], views[a:a + 10]) for a in range(0, len(ds), 10)]
+            got = [None] * len(tickets)
+            for t in tickets[2:] + tickets[:2]:  # a later batch first: the earlier ones are kept for their turn
+                got[t] = d.take(t)
+        assert np.concatenate(got).tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("mode", [(), ("--online", "--epochs", 2)])
+def test_cache_with_workers_equals_cache_without(photos, tmp_path, mode):
+    from kdcache.store import CacheReader
+    outs = [producer(photos, tmp_path / f"c{w}", "--views", 2, "--decode-workers", w, *mode) for w in (0, 2)]
+    assert outs[0]["fingerprint"] == outs[1]["fingerprint"] and outs[1]["complete"]
+    keys = np.arange(PHOTOS)
+    rows = []
+    for out in outs:
+        with CacheReader(out["cache_path"]) as r:
+            rows.append(np.concatenate([r.get(keys, v) for v in (0, 1)]))
+    assert rows[0].tobytes() == rows[1].tobytes()
+
+
+def test_default_workers_follow_the_cores_the_teacher_leaves(photos):
+    from kdcache.pipeline.datasets import load_dataset
+    from kdcache.pipeline.decode import default_workers
+    files = load_dataset("imagefolder", data_root=str(photos / "folder"), image_size="40x40")
+    assert default_workers(files, 1, 2) == 1 and default_workers(files, 3, 8) == 5
+    assert default_workers(files, 2, 2) == 0 and default_workers(files, 1, 4, producers=4) == 0
+    assert default_workers(load_dataset("digits"), 1, 8) == 0  # in RAM: made in the producer's process
+
+
+def test_a_damaged_photo_in_a_worker_is_one_line_naming_it_and_rows_before_are_kept(photos, tmp_path):
+    import shutil
+    from kdcache.store.registry import cache_bases, info
+    shutil.copytree(photos, tmp_path / "p")
+    from kdcache.pipeline.datasets import load_dataset
+    items = load_dataset("imagefolder", data_root=str(tmp_path / "p" / "folder"), image_size="40x40")._folder.items
+    bad = items[40][0]  # in the third batch
+    data = open(bad, "rb").read()
+    open(bad, "wb").write(data[:len(data) // 2])
+    r = producer(tmp_path / "p", tmp_path / "c", "--decode-workers", 2, check=False)
+    assert r.returncode == 2, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and bad in last and "truncated JPEG" in last, r.stderr
+    assert "Traceback" not in r.stderr
+    (base,) = cache_bases(str(tmp_path / "c"))
+    assert info(base)["done"] == pytest.approx(2 * BATCH / PHOTOS)  # the two batches before it
+
+
+def children_of(pid):
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as fh:
+            return [int(c) for c in fh.read().split()]
+    except OSError:
+        return []
+
+
+def alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def start_slow(photos, cache_dir):
+    """A producer whose 2 workers take 50 ms per image (the user's augmentation sleeps), in its own
+    session (a terminal's Ctrl-C reaches its whole group); (process, worker pids) once both work."""
+    env = dict(CHILD_ENV, PYTHONPATH=os.pathsep.join([ROOT, str(photos)]))
+    p = subprocess.Popen([sys.executable, "-m", "kdcache.cache_builder", "--quiet", "--dataset", "imagefolder",
+                          "--data-root", str(photos / "folder"), "--teacher", str(photos / "t"), "--cache-dir",
+                          str(cache_dir), "--image-size", "8x8", "--augment", "slowaug:slow", "--batch-size", str(BATCH),
+                          "--decode-workers", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=env, cwd=ROOT, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while len(children_of(p.pid)) < 2:
+        assert p.poll() is None and time.monotonic() < deadline, p.communicate()[1]
+        time.sleep(0.02)
+    time.sleep(0.3)  # inside their first chunks
+    return p, children_of(p.pid)
+
+
+@pytest.mark.parametrize("how,status,word", [("group-sigint", 130, "interrupted"), ("sigterm", 143, "SIGTERM")])
+def test_a_stop_ends_the_workers_cleanly(photos, tmp_path, how, status, word):
+    p, workers = start_slow(photos, tmp_path / "c")
+    if how == "group-sigint":
+        os.killpg(p.pid, signal.SIGINT)  # Ctrl-C at a terminal: the producer and its workers get it
+    else:
+        p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == status, err
+    assert word in err.strip().splitlines()[-1] and "Traceback" not in err, err
+    assert not any(alive(w) for w in workers)
+
+
+def test_a_worker_killed_is_one_line_and_no_process_is_left(photos, tmp_path):
+    p, workers = start_slow(photos, tmp_path / "c")
+    os.kill(workers[1], signal.SIGKILL)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 2, err
+    last = err.strip().splitlines()[-1]
+    assert f"decode worker process {workers[1]} was killed by signal 9 (SIGKILL)" in last and "Traceback" not in err
+    assert not any(alive(w) for w in workers)
+
+
+def test_the_workers_die_with_a_producer_killed_by_9(photos, tmp_path):
+    p, workers = start_slow(photos, tmp_path / "c")
+    p.kill()
+    p.communicate(timeout=60)
+    deadline = time.monotonic() + 10
+    while any(alive(w) for w in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(alive(w) for w in workers)

@@ -11,7 +11,14 @@ import re
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse, with every error on one line (no usage block) and exit status 2."""
+    """argparse, with every error on one line (no usage block) and exit status 2.
+
+    Abbreviations are refused: `--view 2` taken as `--views 2` would build another cache than the
+    user meant, and a new option could silently change what an old abbreviation means."""
+
+    def __init__(self, *args, **kw):
+        kw.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kw)
 
     def error(self, message):
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")

@@ -10,8 +10,7 @@ from . import schema
 from .codec import make_codec
 from .errors import StoreError
 from .fingerprint import fingerprint
-
-TOOL_VERSION = "0.1.0"
+from kdcache import __version__ as TOOL_VERSION  # the package's one version (not part of any fingerprint)
 
 
 @dataclasses.dataclass(frozen=True)

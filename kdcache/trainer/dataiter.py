@@ -19,7 +19,7 @@ import numpy as np
 from kdcache.pipeline.augment import Augment, as_augment, make_views
 from kdcache.pipeline.schedule import epoch_batches, view_of_epoch
 from kdcache.store.schema import index_error
-from kdcache.trainer.loss import check_targets
+from kdcache.trainer.loss import check_targets, kd_formula
 
 log = logging.getLogger("kdcache.trainer")
 
@@ -192,13 +192,8 @@ def kd_symbol(student_logits, *, temperature=20.0, alpha=0.5, num_classes=None,
     """A Module API training symbol: the KD loss (the same formula as trainer.loss.KDLoss) as a
     MakeLoss head, with the student's softmax as a second, gradient-free output for metrics."""
     s = student_logits
-    y = mx.sym.var(label_name)
-    t = mx.sym.var(soft_label_name)
-    ce = -mx.sym.pick(mx.sym.log_softmax(s, axis=1), y, axis=1)
-    log_ps = mx.sym.log_softmax(s / temperature, axis=1)
-    log_pt = mx.sym.log_softmax(t / temperature, axis=1)
-    kl = mx.sym.sum(mx.sym.exp(log_pt) * (log_pt - log_ps), axis=1)
-    loss = mx.sym.MakeLoss(alpha * temperature * temperature * kl + (1 - alpha) * ce, normalization="batch",
-                           name="kd_loss")
+    per_sample = kd_formula(mx.sym, s, mx.sym.var(soft_label_name), mx.sym.var(label_name),
+                            temperature=temperature, alpha=alpha)
+    loss = mx.sym.MakeLoss(per_sample, normalization="batch", name="kd_loss")  # the batch's mean, as Gluon's trainer.step(B)
     prob = mx.sym.BlockGrad(mx.sym.softmax(s, axis=1), name="prob")
     return mx.sym.Group([loss, prob])

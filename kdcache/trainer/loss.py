@@ -98,11 +98,21 @@ class KDLoss(gluon.loss.Loss):
         self.alpha = float(alpha)
 
     def hybrid_forward(self, F, student, teacher, label):
-        t = self.temperature
-        ce = -F.pick(F.log_softmax(student, axis=1), label, axis=1)
-        if self.alpha == 0:
-            return ce
-        log_ps = F.log_softmax(student / t, axis=1)
-        log_pt = F.log_softmax(teacher / t, axis=1)
-        kl = F.sum(F.exp(log_pt) * (log_pt - log_ps), axis=1)
-        return self.alpha * t * t * kl + (1.0 - self.alpha) * ce
+        # alpha=0: no teacher term at all (0 * a NaN target would still be NaN)
+        return kd_formula(F, student, teacher if self.alpha else None, label, temperature=self.temperature,
+                          alpha=self.alpha)
+
+
+def kd_formula(F, student, teacher, label, *, temperature, alpha):
+    """The per-sample KD loss, written once for Gluon (F=mx.nd, or the hybridized F) and the Module
+    API (F=mx.sym): alpha * T^2 * KL(softmax(t/T) || softmax(s/T)) + (1 - alpha) * CE(s, y), the KL
+    summed over classes. The T^2 keeps the soft term's gradients on the scale of the hard term's
+    whatever T is (Hinton et al. 2015). teacher=None gives the cross-entropy alone."""
+    t, alpha = float(temperature), float(alpha)
+    ce = -F.pick(F.log_softmax(student, axis=1), label, axis=1)
+    if teacher is None:
+        return ce
+    log_ps = F.log_softmax(student / t, axis=1)
+    log_pt = F.log_softmax(teacher / t, axis=1)
+    kl = F.sum(F.exp(log_pt) * (log_pt - log_ps), axis=1)
+    return alpha * t * t * kl + (1.0 - alpha) * ce

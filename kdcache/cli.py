@@ -14,6 +14,8 @@ COMMANDS = {
     "verify": ("kdcache.store.__main__", "check a cache's schema, flags, values and completeness (--teacher: and its "
                                  "logits against the teacher, on sampled keys)"),
     "gc": ("kdcache.store.__main__", "remove incomplete, damaged or unused caches and stale shared-memory rings"),
+    "convert": ("kdcache.store.convert", "write a cache in another codec or dtype from a finished one, without the "
+                                         "teacher (prints its path)"),
     "options": ("kdcache.pipeline.options", "the options the producer and the trainer share, with their defaults"),
 }
 STORE_COMMANDS = ("ls", "inspect", "verify", "gc")

@@ -34,7 +34,8 @@ class SoftTargetIter(mx.io.DataIter):
     """Iterate one epoch per reset(); `targets` is a store reader (CacheReader, or anything with
     get(indices, views)).
 
-    `source` is a kdcache data set (batches follow the schedule of `seed`; the last partial batch
+    `source` is a kdcache data set or a gluon Dataset of (image [C, H, W], label) items (batches
+    follow the schedule of `seed`; the last partial batch
     is padded by wrapping around, `pad` tells how many, as NDArrayIter's 'pad' mode does), or the
     user's own mx.io.DataIter whose batches carry `index` (batch_size, seed and augment are then
     its own business). `keys`: the record keys of the cache's samples, in order, when the
@@ -46,6 +47,8 @@ class SoftTargetIter(mx.io.DataIter):
                  data_name="data", label_name="softmax_label", soft_label_name="soft_label", start_epoch=0,
                  keys=None, augments=None):
         self.inner = source if isinstance(source, mx.io.DataIter) else None
+        if self.inner is None and not hasattr(source, "get_batch"):
+            source = _ItemSource(source, targets)
         super().__init__(self.inner.batch_size if self.inner is not None else batch_size)
         self.dataset, self.targets = (None if self.inner is not None else source), targets
         self.seed, self.views = seed, views
@@ -185,6 +188,45 @@ class SoftTargetIter(mx.io.DataIter):
             log.warning("the data iterator augments on its own (%s): the teacher's targets are for the images the "
                         "producer saw, not for these views; for consistent targets let kdcache augment "
                         "(--views, --augment) and turn the iterator's augmentation off", why)
+
+
+class _ItemSource:
+    """A gluon Dataset of (image [C, H, W], label) items seen as a kdcache data set: batches stacked
+    from its items, the class count the cache's. The cache must have been built from the same items
+    (the same length is checked; `kdcache cache --dataset MODULE:FUNCTION` builds one from them)."""
+
+    def __init__(self, items, targets):
+        if not (hasattr(items, "__getitem__") and hasattr(items, "__len__")):
+            raise TypeError(f"SoftTargetIter takes a data set (a gluon Dataset of (image, label) items, or a "
+                            f"kdcache data set) or an mx.io.DataIter whose batches carry `index`; got "
+                            f"{type(items).__name__}")
+        spec = getattr(targets, "spec", None)
+        if spec is None:
+            raise TypeError("SoftTargetIter over a gluon Dataset needs `targets` with a .spec (a CacheReader): "
+                            "the class count and the sample count come from the cache")
+        if len(items) != spec.num_samples:
+            raise ValueError(f"the data set has {len(items)} items, the cache holds targets for {spec.num_samples} "
+                             f"samples: pass the data set the cache was built from")
+        self.items, self.num_classes, self.name = items, int(spec.num_classes), type(items).__name__
+        self.shape = tuple(self._item(0)[0].shape)
+
+    def _item(self, i):
+        item = self.items[int(i)]
+        if not isinstance(item, (tuple, list)) or len(item) < 2:
+            raise TypeError(f"item {int(i)} of {self.name} is {type(item).__name__}, not (image, label)")
+        x = item[0].asnumpy() if hasattr(item[0], "asnumpy") else np.asarray(item[0])
+        y = item[1].asscalar() if hasattr(item[1], "asscalar") else item[1]
+        if x.ndim != 3:
+            raise ValueError(f"item {int(i)} of {self.name}: image of shape {x.shape}, not [C, H, W] (transform "
+                             f"it, e.g. with gluon.data.vision.transforms.ToTensor)")
+        return x.astype(np.float32, copy=False), int(y)
+
+    def __len__(self):
+        return len(self.items)
+
+    def get_batch(self, indices):
+        xs, ys = zip(*(self._item(i) for i in np.asarray(indices).reshape(-1)))
+        return np.stack(xs), np.asarray(ys, dtype=np.int64)
 
 
 def kd_symbol(student_logits, *, temperature=20.0, alpha=0.5, num_classes=None,

@@ -13,6 +13,7 @@ Threads (a DataLoader with thread_pool=True) share their process's reader, which
 (store.reader's NOTE [threads]).
 """
 import ctypes
+import json
 import multiprocessing
 import os
 import threading
@@ -78,6 +79,7 @@ class SoftTargetDataset(gluon.data.Dataset):
             raise StoreError(f"{where} holds {spec.views} view(s) per sample, views={self.views} was passed: "
                              f"pass views={spec.views}")
         inputs = getattr(spec, "inputs", None) or {}
+        self._check_content(where, inputs.get("dataset"))
         if "augment" in inputs:
             mine = self.augment.spec if self.augment.active else None
             if inputs.get("augment") != mine:
@@ -87,6 +89,26 @@ class SoftTargetDataset(gluon.data.Dataset):
             if mine is not None and getattr(self.augment, "varies", True) and inputs.get("augment_seed") != self.seed:
                 raise StoreError(f"{where} was built with seed {inputs.get('augment_seed')}, seed={self.seed} "
                                  f"was passed: the views differ; pass seed={inputs.get('augment_seed')}")
+
+    def _check_content(self, where, recorded):
+        """The data set's identity (name, split, length, content digest: what the command line's
+        fingerprint records) must be the cache's. Computed once, here: the digest is remembered by
+        the data set (and by the digest memo for files), so later epochs and workers pay nothing.
+        The cache records one digest of the whole data set, not one per item, so a content mismatch
+        names the digests, not an item. A data set without identity() (a plain gluon Dataset) is
+        checked by its length only."""
+        identity = getattr(self.dataset, "identity", None)
+        if not isinstance(recorded, dict) or not callable(identity):
+            return
+        mine = json.loads(json.dumps(identity()))  # as the cache stores it (tuples become lists)
+        differ = [k for k in sorted(set(recorded) | set(mine)) if recorded.get(k) != mine.get(k)]
+        if not differ:
+            return
+        said = "; ".join(f"{k} {_short(recorded.get(k))} in the cache, {_short(mine.get(k))} here" for k in differ)
+        content = (" (the cache keeps one digest of all images and labels, so no single item can be named)"
+                   if "digest" in differ else "")
+        raise StoreError(f"{where} was built from another data set: {said}{content}: pass the data set the cache "
+                         f"was built from (same files, split and order), or build a cache for this one")
 
     # -- the epoch, shared with worker processes ----------------------------------------------
     def set_epoch(self, epoch):
@@ -166,6 +188,13 @@ class SoftTargetDataset(gluon.data.Dataset):
             if isinstance(value, int):  # a plain value (bool is an int too)
                 state[name] = multiprocessing.RawValue(kind, value)
         self.__dict__.update(state)
+
+
+def _short(value):
+    """A recorded identity value for a one-line message: digests cut to 12 characters."""
+    if isinstance(value, str) and len(value) == 64:
+        return value[:12] + "…"
+    return "none" if value is None else json.dumps(value)
 
 
 class _Announcing(gluon.data.Sampler):

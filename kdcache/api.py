@@ -1,0 +1,146 @@
+"""The Python doors to the producer: build_cache, cache_path and load_dataset, as `kdcache cache` sees them.
+
+NOTE [one producer]: build_cache runs `python -m kdcache.cache_builder` in a child process, with the
+command line it would be given, rather than calling the producer's functions here: the producer fixes
+OMP_NUM_THREADS before MXNet loads (a caller's process has usually loaded it already, with all its
+threads), takes signals at safe points, and is the one code path that writes caches. Its fingerprint
+is therefore the command line's by construction. cache_path computes the same spec in this process
+(the producer's own parse_args and spec_from_args) without running any teacher.
+"""
+import contextlib
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from typing import Any, Optional, Union
+
+# The keyword arguments build_cache and cache_path turn into the producer's options (the flag is
+# the keyword with '_' as '-'); the values are checked by the options' own types.
+_OPTION_KEYWORDS = ("views", "augment", "codec", "dtype", "cache_dir", "seed", "data_root", "image_size",
+                    "num_classes", "split", "teacher_input", "teacher_mean", "teacher_std", "teacher_size",
+                    "batch_size", "threads")
+
+
+class BuildError(ValueError):
+    """The producer refused its inputs or failed; the message is its one line (cause and fix)."""
+
+
+def load_dataset(name: str, *, data_root: Optional[str] = None, split: str = "train",
+                 image_size: Optional[tuple] = None, num_classes: Optional[int] = None):
+    """A kdcache data set by name, as `kdcache cache --dataset NAME` loads it: digits | mnist5k |
+    synthetic[:n=..] | mnist | fashion-mnist | cifar10 | cifar100 | npz | recordio | imagefolder |
+    MODULE:FUNCTION. Items are (image float32 [C, H, W] in [0, 1], label); `num_classes`, `shape`
+    and `identity()` (what a cache's fingerprint records of it) come with it. Loading imports no MXNet."""
+    from kdcache.pipeline.datasets import load_dataset as load
+    return load(name, data_root=data_root, split=split, image_size=image_size, num_classes=num_classes)
+
+
+def _dataset_name(dataset) -> str:
+    if isinstance(dataset, str):
+        return dataset
+    raise BuildError(f"dataset {type(dataset).__name__!r}: pass the data set's name as `kdcache cache --dataset` "
+                     f"takes it (with data_root=... for files), or your own loader as 'MODULE:FUNCTION'; the "
+                     f"producer loads it in its own process")
+
+
+@contextlib.contextmanager
+def _teacher_prefix(teacher, name):
+    """The --teacher value for `teacher`: a checkpoint prefix as is, a Gluon HybridBlock exported (epoch 0)
+    to a temporary folder as `name` (the fingerprint records the files' digests and this name, so
+    `kdcache cache --teacher DIR/NAME` over the same export names the same cache)."""
+    if isinstance(teacher, (str, os.PathLike)):
+        yield os.fspath(teacher)
+        return
+    if not hasattr(teacher, "export"):
+        raise BuildError(f"teacher {type(teacher).__name__!r}: pass a checkpoint prefix (PREFIX-symbol.json + "
+                         f"PREFIX-NNNN.params) or a hybridized gluon HybridBlock")
+    with tempfile.TemporaryDirectory(prefix="kdcache-teacher-") as tmp:
+        prefix = os.path.join(tmp, name)
+        try:
+            teacher.export(prefix, epoch=0)
+        except Exception as e:  # not hybridized, or never run: MXNet's own message is long
+            raise BuildError(f"teacher {type(teacher).__name__}: cannot be exported ({str(e).splitlines()[0]}): "
+                             f"call .hybridize() and run it forward once first") from None
+        yield prefix
+
+
+def _argv(teacher: str, dataset: str, options: dict) -> list:
+    """The producer's command line for these inputs, each value written by its option's own type."""
+    from kdcache.cache_builder.__main__ import PRODUCER
+    from kdcache.pipeline.options import SHARED
+    declared = {o.dest: o for o in SHARED + PRODUCER}
+    argv = [f"--teacher={teacher}", f"--dataset={dataset}"]
+    for key, value in options.items():
+        if key not in _OPTION_KEYWORDS:
+            raise TypeError(f"unexpected keyword {key!r}: use {', '.join(_OPTION_KEYWORDS)}")
+        if isinstance(value, str):  # as a user types it: the producer's parser checks it
+            argv.append(f"{declared[key].flag}={value}")
+        elif value is not None:
+            argv += declared[key].argv(value)
+    return argv
+
+
+def _one_line(text, default):
+    """The producer's error line, without its pointer to the command's --help."""
+    lines = [ln for ln in (text or "").splitlines() if ln.startswith("error: ")]
+    return re.sub(r" \(see \S+(?: \S+)* --help\)$", "", lines[-1][len("error: "):]) if lines else default
+
+
+def build_cache(teacher: Union[str, Any], dataset: str, *, views: int = 1, augment: Optional[str] = None,
+                codec: str = "full", dtype: str = "float16", cache_dir: Optional[str] = None, seed: int = 0,
+                teacher_name: str = "teacher", quiet: bool = True, **options) -> str:
+    """Run the teacher over the data set and return the finished cache's path (P.h5), exactly as
+    `kdcache cache` with the same inputs does: same fingerprint, and a complete cache is reused
+    (the teacher then runs zero times).
+
+    teacher: a checkpoint prefix ("PREFIX" or "PREFIX:EPOCH"), or a hybridized gluon HybridBlock,
+    exported first to a temporary PREFIX named `teacher_name` (export it with an explicit prefix of
+    its own: a second instance of a net exports other parameter names, so another cache).
+    dataset: a name as --dataset takes it ("digits", "mnist" with data_root=..., "MODULE:FUNCTION"
+    for your own loader returning (images, labels, num_classes)). A loaded data set object or an
+    arbitrary gluon Dataset is refused: the producer loads the data itself, in its own process, so
+    that the fingerprint records its files' digests the way the command line does.
+    options: data_root, image_size, num_classes, split, teacher_input, teacher_mean, teacher_std,
+    teacher_size, batch_size, threads (the command's options of the same names).
+    Raises BuildError with the producer's one line when it refuses (a bad option, a teacher that does
+    not fit the data, ...). The producer runs in a child process (NOTE [one producer]).
+    """
+    opts = dict(views=views, augment=augment, codec=codec, dtype=dtype, cache_dir=cache_dir, seed=seed, **options)
+    name = _dataset_name(dataset)
+    with _teacher_prefix(teacher, teacher_name) as prefix:
+        argv = [sys.executable, "-m", "kdcache.cache_builder", *_argv(prefix, name, opts), "--json"]
+        r = subprocess.run(argv + (["--quiet"] if quiet else []), stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE if quiet else None, text=True)
+    if r.returncode != 0:
+        raise BuildError(_one_line(r.stderr, f"the producer ended with status {r.returncode}"))
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    return result["cache_path"]
+
+
+def cache_path(teacher: Union[str, Any], dataset: str, *, views: int = 1, augment: Optional[str] = None,
+               codec: str = "full", dtype: str = "float16", cache_dir: Optional[str] = None, seed: int = 0,
+               teacher_name: str = "teacher", **options) -> str:
+    """The path (P.h5) the cache for these inputs has once built: build_cache's, and `kdcache cache`'s.
+    It may not exist yet. Same arguments as build_cache; nothing is run (the data set is loaded and
+    the teacher's files are hashed, as the producer does to name the cache)."""
+    from kdcache.cache_builder.__main__ import parse_args
+    from kdcache.pipeline.cachespec import spec_from_args
+    from kdcache.pipeline.checkpoint import TeacherOptions
+    from kdcache.store import path_for
+    opts = dict(views=views, augment=augment, codec=codec, dtype=dtype, cache_dir=cache_dir, seed=seed, **options)
+    name = _dataset_name(dataset)
+    with _teacher_prefix(teacher, teacher_name) as prefix:
+        err = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err):
+                args = parse_args(_argv(prefix, name, opts))
+        except SystemExit:  # the producer's parser said what is wrong in one line
+            raise BuildError(_one_line(err.getvalue(), "bad arguments")) from None
+        topt = TeacherOptions.from_args(args)
+        dataset_obj = load_dataset(args.dataset, data_root=args.data_root, split=args.split,
+                                   image_size=args.image_size, num_classes=args.num_classes)
+        spec, _ = spec_from_args(args, dataset_obj, topt)
+    return (args.cache or path_for(args.cache_dir, spec.fingerprint)) + ".h5"

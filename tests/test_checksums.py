@@ -168,3 +168,15 @@ def test_a_cache_copied_to_another_folder_is_reused_there_and_verified(tmp_path,
     with pytest.raises(DamagedRowsError, match="kdcache verify"):
         with CacheReader(copy) as rd:
             rd.get(np.arange(rd.spec.num_samples))
+
+
+def test_bench_checksums_quick_writes_its_report(tmp_path):
+    from tests.helpers import positive, run_bench
+    (tmp_path / "results").mkdir()
+    proc, r = run_bench("checksums", tmp_path, "--rows", 2000, "--classes", 100, timeout=300)
+    assert r["quick"] is True and r["rows"] == 2000 and r["extrapolation"] == 1_281_167 / 2000
+    assert r["compaction"]["chunks"] >= 1 and positive(r["compaction"]["crc32_gb_per_s"])
+    assert all(positive(v) for v in r["warm"].values()) and positive(r["cold"]["checked"])
+    assert positive(r["open"]["first_touch_s"]) and positive(r["verify"]["with_s"])
+    assert set(r["verdicts"]) == {"checked_vs_numpy_gather"} and proc.stdout.count("\n## ") == 5
+    assert os.listdir(tmp_path / "scratch") == []

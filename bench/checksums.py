@@ -1,0 +1,253 @@
+"""What the checksums of a finished cache cost: compaction, open, warm and cold gathers, verify, with and without.
+
+    PYTHONPATH=. python -m bench.checksums [--quick] [--out bench/results/checksums.json] [--tmp DIR]
+
+Two caches of the same rows (full float16, 1000 classes; 100,000 rows, --quick 20,000), one with
+checksums (what compaction writes now) and one without (what it wrote before), side by side:
+
+1. compaction: seconds with and without, and zlib.crc32's speed over the rows in memory
+2. open: the mapped reader as it is (each chunk checked the first time a batch touches it) vs checking
+   every chunk at open
+3. gathers of 256 random rows, page cache warm: the first epoch (every chunk checked on the way) and the
+   next one (nothing left to check), against the cache without checksums and numpy on a float16 array
+                                                floor: checked >= 0.5 x numpy (both float32), as bench.read_scale
+4. the first epoch after the file's pages were dropped (fsync + POSIX_FADV_DONTNEED, no root needed)
+5. `kdcache verify`: seconds with and without
+Per-file costs are extrapolated linearly to ImageNet-1k's 1,281,167 rows (a 2.56 GB file), the rates
+are per row. Everything written under --tmp is removed at the end.
+"""
+import os
+import sys
+
+if __package__ in (None, ""):  # run as a file: import the repo's packages, not this directory's
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+from bench.common import limit_threads  # noqa: E402
+
+limit_threads(os.environ, force=False)  # before numpy loads: one BLAS/OpenMP thread
+
+import shutil  # noqa: E402
+import time  # noqa: E402
+import zlib  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from bench.cli import RUN, out_option, parse_args, quick_option, tmp_option  # noqa: E402
+from bench.common import (floors_line, heading, machine, machine_line, md_table, rate, scratch_dir,  # noqa: E402
+    section, utc_now, verdict, write_report)
+from bench.read_scale_sections import evict, read_through  # noqa: E402
+from kdcache.args import Int, Option  # noqa: E402
+from kdcache.store import CacheReader, CacheSpec, CacheWriter, path_for  # noqa: E402
+from kdcache.store import checksums  # noqa: E402
+from kdcache.store.verify import verify  # noqa: E402
+
+DEFAULT_OUT = os.path.join("bench", "results", "checksums.json")
+IMAGENET = 1_281_167
+BATCH = 256
+FLOORS = {"checked_vs_numpy_gather": (">=", 0.5)}
+OPTIONS = [
+    quick_option("20,000 rows instead of 100,000: a few seconds"),
+    out_option(DEFAULT_OUT),
+    tmp_option("directory for the two caches (default: the system temp dir); removed at the end"),
+    Option("--rows", "samples in each cache (default 100,000; --quick 20,000)", type=Int(1000), metavar="N",
+           group=RUN),
+    Option("--classes", "logits per row (default 1000)", type=Int(3), default=1000, metavar="C", group=RUN),
+    Option("--seed", "seed of the logits and the batches", type=Int(0), default=0, metavar="S", group=RUN),
+]
+
+
+def log(msg):
+    print(f"[bench.checksums] {msg}", file=sys.stderr, flush=True)
+
+
+def build(root, n, c, pool, with_sums):
+    """A finished cache of n x c (full float16); compaction seconds. Without checksums: as compaction wrote
+    before they existed."""
+    spec = CacheSpec(num_samples=n, num_classes=c, dtype="float16",
+                     inputs={"bench": "bench.checksums", "checksums": with_sums})
+    path = path_for(root, spec.fingerprint)
+    write, compute = checksums.write, checksums.compute
+    if not with_sums:
+        checksums.write = lambda *a, **k: None
+        checksums.compute = lambda *a, **k: None
+    try:
+        w = CacheWriter(path, spec)
+        for a in range(0, n, 8192):
+            k = np.arange(a, min(n, a + 8192))
+            w.write(k, pool[k % len(pool)])
+        t0 = time.perf_counter()
+        if not w.close():
+            raise RuntimeError(f"bench: the cache at {path} did not finish")
+        return path, spec, time.perf_counter() - t0
+    finally:
+        checksums.write, checksums.compute = write, compute
+
+
+def epoch(reader, order):
+    t0 = time.perf_counter()
+    for a in range(0, order.size, BATCH):
+        reader.get(order[a:a + BATCH])
+    return order.size / (time.perf_counter() - t0)
+
+
+def best(f, repeats=3):
+    return min(f() for _ in range(repeats))
+
+
+def run(args, n, c, root):
+    rng = np.random.default_rng(args.seed)
+    pool = rng.normal(0, 4, size=(4096, c)).astype(np.float32)
+    out, rows = {}, []
+    log(f"writing two caches of {n:,} x {c} (full float16)")
+    a_path, spec, comp_with = build(root, n, c, pool, True)
+    b_path, _, comp_without = build(root, n, c, pool, False)
+    size = os.path.getsize(a_path + ".h5")
+    table = np.ascontiguousarray(pool[np.arange(n) % len(pool)].astype(np.float16))
+    t0 = time.perf_counter()
+    crc_sums = checksums.compute({"logits": table}, spec)
+    crc_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    zlib.crc32(memoryview(table).cast("B"))
+    crc_gbs = table.nbytes / (time.perf_counter() - t0) / 1e9
+    with CacheReader(a_path) as r:
+        chunks, samples = r._guard.sums.chunks, r._guard.sums.samples
+    out["compaction"] = {"with_s": comp_with, "without_s": comp_without, "checksums_s": crc_s,
+                         "crc32_gb_per_s": crc_gbs, "chunks": int(chunks), "samples_per_chunk": int(samples),
+                         "table_bytes": int(crc_sums.nbytes)}
+
+    log("open: lazy (first touch) vs every chunk at open, page cache warm")
+    read_through(a_path + ".h5")
+
+    def open_lazy():
+        t0 = time.perf_counter()
+        CacheReader(a_path).close()
+        return time.perf_counter() - t0
+
+    def open_all():
+        t0 = time.perf_counter()
+        with CacheReader(a_path) as r:
+            r._check_sums(np.arange(0, n, samples))  # a key of every chunk: each is checked
+            assert r._guard is None
+        return time.perf_counter() - t0
+    out["open"] = {"first_touch_s": best(open_lazy), "all_at_open_s": best(open_all)}
+
+    log("warm gathers")
+    order = rng.permutation(n)
+    ram = np.array(table)
+
+    def numpy_epoch():
+        t0 = time.perf_counter()
+        for a in range(0, n, BATCH):
+            ram[order[a:a + BATCH]].astype(np.float32)
+        return n / (time.perf_counter() - t0)
+    numpy_rate = max(numpy_epoch() for _ in range(3))
+    read_through(b_path + ".h5")
+    warm = {"numpy_f32": numpy_rate}
+    for name, path in (("checked", a_path), ("no_checksums", b_path)):
+        firsts, nexts = [], []
+        for _ in range(3):
+            with CacheReader(path) as r:
+                firsts.append(epoch(r, order))
+                nexts.append(epoch(r, order))
+        warm[f"{name}_first_epoch"], warm[f"{name}_next_epoch"] = max(firsts), max(nexts)
+    out["warm"] = warm
+    ratio = warm["checked_next_epoch"] / numpy_rate
+
+    log("cold first epochs")
+    cold = {}
+    for name, path in (("checked", a_path), ("no_checksums", b_path)):
+        resident = evict(path + ".h5")
+        with CacheReader(path) as r:
+            cold[name] = epoch(r, order)
+        cold[f"{name}_resident_after_evict"] = resident
+    evict(a_path + ".h5")
+    t0 = time.perf_counter()
+    with CacheReader(a_path) as r:
+        r._check_sums(np.arange(0, n, samples))
+        cold["all_at_open_s"] = time.perf_counter() - t0
+        cold["checked_all_at_open_then_epoch"] = epoch(r, order)
+    out["cold"] = cold
+
+    log("verify")
+    read_through(a_path + ".h5")
+    t0 = time.perf_counter()
+    rep, problems = verify(a_path)
+    v_with = time.perf_counter() - t0
+    assert not problems and rep["checksums"].startswith("crc32")
+    t0 = time.perf_counter()
+    rep, problems = verify(b_path)
+    v_without = time.perf_counter() - t0
+    assert not problems and rep["checksums"].startswith("no checksums")
+    out["verify"] = {"with_s": v_with, "without_s": v_without}
+    out["file_bytes"] = size
+    out["checked_vs_numpy_gather"] = ratio
+    return out
+
+
+def tables(res, n):
+    x = IMAGENET / n
+    comp, op, warm, cold, ver = res["compaction"], res["open"], res["warm"], res["cold"], res["verify"]
+    s = []
+    s.append(("1. Compaction", md_table(
+        ["", f"{n:,} rows", "ImageNet-1k (extrapolated)"],
+        [["compaction, with checksums", f"{comp['with_s']:.2f} s", f"{comp['with_s'] * x:.1f} s"],
+         ["compaction, without", f"{comp['without_s']:.2f} s", f"{comp['without_s'] * x:.1f} s"],
+         ["of which the checksums (in memory)", f"{comp['checksums_s']:.3f} s", f"{comp['checksums_s'] * x:.2f} s"],
+         ["zlib.crc32 speed", f"{comp['crc32_gb_per_s']:.1f} GB/s", ""],
+         ["chunks (samples each), table bytes", f"{comp['chunks']} ({comp['samples_per_chunk']}), "
+                                                f"{comp['table_bytes']}", f"{comp['table_bytes'] * x:,.0f} bytes"]]),
+        "The checksums are computed from the rows in memory just before the file is written."))
+    s.append(("2. Open (page cache warm)", md_table(
+        ["reader", f"{n:,} rows", "ImageNet-1k (extrapolated)"],
+        [["mapped, chunks checked on first touch (kept)", f"{op['first_touch_s'] * 1e3:.1f} ms",
+          f"{op['first_touch_s'] * 1e3:.1f} ms (does not grow)"],
+         ["mapped, every chunk checked at open", f"{op['all_at_open_s']:.3f} s", f"{op['all_at_open_s'] * x:.2f} s"]]),
+        "Checking at open reads every page of the file before the first batch."))
+    s.append(("3. Gathers of 256 random rows, page cache warm (rows/s)", md_table(
+        ["cache", "first epoch", "next epoch"],
+        [["with checksums (first touch)", rate(warm["checked_first_epoch"]), rate(warm["checked_next_epoch"])],
+         ["without checksums", rate(warm["no_checksums_first_epoch"]), rate(warm["no_checksums_next_epoch"])],
+         ["numpy, float16 array in RAM, to float32", rate(warm["numpy_f32"]), ""]]),
+        "The first epoch checks every chunk once; afterwards the reader drops the check."))
+    s.append(("4. First epoch after the pages were dropped (rows/s)", md_table(
+        ["cache", "first epoch", f"check at open ({n:,} rows)", "ImageNet-1k (extrapolated)"],
+        [["with checksums (first touch)", rate(cold["checked"]), "", ""],
+         ["without checksums", rate(cold["no_checksums"]), "", ""],
+         ["with checksums, every chunk at open", rate(cold["checked_all_at_open_then_epoch"]),
+          f"{cold['all_at_open_s']:.2f} s", f"{cold['all_at_open_s'] * x:.1f} s"]]),
+        "Dropped with fsync + POSIX_FADV_DONTNEED. A chunk checked on first touch is read whole (about 1 MiB)."))
+    s.append(("5. kdcache verify", md_table(
+        ["cache", f"{n:,} rows", "ImageNet-1k (extrapolated)"],
+        [["with checksums", f"{ver['with_s']:.2f} s", f"{ver['with_s'] * x:.1f} s"],
+         ["without", f"{ver['without_s']:.2f} s", f"{ver['without_s'] * x:.1f} s"]]),
+        "Page cache warm; verify also scans every value for NaN/Inf and identical rows."))
+    return s
+
+
+def main(argv=None, prog="python -m bench.checksums"):
+    p, args = parse_args(prog, __doc__.split("\n\n")[0], OPTIONS, argv, default_out=DEFAULT_OUT)
+    n = args.rows or (20_000 if args.quick else 100_000)
+    t_start = time.perf_counter()
+    root = scratch_dir(args.tmp, "kdcache-checksums-")
+    try:
+        res = run(args, n, args.classes, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    runtime = time.perf_counter() - t_start
+    verdicts = {k: verdict(res[k], v, op == ">=") for k, (op, v) in FLOORS.items()}
+    m = machine()
+    report = {**res, "rows": n, "classes": args.classes, "imagenet_rows": IMAGENET, "extrapolation": IMAGENET / n,
+              "floors": {k: {"op": op, "value": v} for k, (op, v) in FLOORS.items()}, "verdicts": verdicts,
+              "machine": m, "date": utc_now(), "quick": bool(args.quick), "seed": args.seed, "runtime_s": runtime}
+    print(heading("kdcache: what checksums cost", args.quick, runtime))
+    print(machine_line(m) + "\n")
+    for title, table, note in tables(res, n):
+        print(section(title, table, note))
+    print(floors_line([k for k, v in verdicts.items() if v != "PASS"]))
+    write_report(args.out, report)
+    print(f"Report: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

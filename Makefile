@@ -29,6 +29,14 @@ PYTEST_ARGS ?=
 QUICK ?=
 CACHE ?=
 KDCACHE := $(VENV)/bin/kdcache
+# A variable set on the command line that is none of these is an error naming them: `make train
+# TEMPERATURE=4` would otherwise train at the default temperature without a word.
+VARIABLES := PYTHON DATASET DATA_ROOT TEACHER CACHE_DIR VIEWS AUGMENT CODEC SEED EPOCHS BATCH_SIZE THREADS \
+	SHARDS STUDENT T ALPHA RUN TEACHER_MODE WORKERS PYTEST_ARGS QUICK CACHE
+UNKNOWN_VARIABLES := $(filter-out $(VARIABLES),$(foreach a,$(MAKEOVERRIDES),$(firstword $(subst =, ,$(subst :=,=,$(subst +=,=,$(a)))))))
+ifneq ($(strip $(UNKNOWN_VARIABLES)),)
+$(error $(UNKNOWN_VARIABLES): no such variable; use one of $(VARIABLES) (`make options` lists the options they set))
+endif
 # The data sets with a default teacher, teachers/NAME (pipeline.options.DEFAULT_TEACHERS): the trainer and
 # the producer fall back on it when no TEACHER is given, and `make teacher` builds it.
 TEACHER_DATASETS := digits mnist5k
@@ -53,7 +61,7 @@ TEACHER_DEP = $(if $(TEACHER),,$(DEFAULT_TEACHER_FILE))
 
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: help options setup test test-fast torture bench bench-kd bench-demand bench-store bench-read bench-producer bench-sizing bench-codecs caches verify teacher cache cache-online train train-dist clean
+.PHONY: help options setup test test-fast torture bench bench-kd bench-demand bench-store bench-read bench-checksums bench-producer bench-sizing bench-codecs bench-decode caches verify teacher cache cache-online train train-dist clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s "$$(printf '\t')"
@@ -101,11 +109,17 @@ bench-producer: setup  ## producer overhead vs the bare teacher, and 2 shards vs
 bench-sizing: setup  ## ImageNet-1k sizing: bytes per view per codec, model-zoo teachers' images/s per core
 	$(PY) -m bench.sizing $(if $(QUICK),--quick)
 
+bench-decode: setup  ## photos from JPEG files at 224 px: decode ms per image, the producer's images/s with decode workers vs the teacher alone (QUICK=1 for a short run)
+	$(PY) -m bench.decode $(if $(QUICK),--quick)
+
 bench-codecs: setup $(CODEC_TEACHERS)  ## soft-target codecs (full, topk:K, int8): distance to the teacher and students distilled from each (QUICK=1 for a short run)
 	$(PY) -m bench.codecs $(if $(QUICK),--quick)
 
 bench-store: setup  ## store micro-benchmarks: gather, write order, codec sizes (QUICK=1 for a short run)
 	$(PY) -m bench.store $(if $(QUICK),--quick)
+
+bench-checksums: setup  ## what the checksums of a finished cache cost: compaction, open, warm and cold gathers, verify, with and without (QUICK=1 for a short run)
+	$(PY) -m bench.checksums $(if $(QUICK),--quick)
 
 bench-read: setup  ## reading a finished cache at ImageNet-1k size: mapped vs RAM reader, open, gathers warm and cold, memory of 4 readers (writes as many views, up to 10, as leave 20 GB free in the temp dir; QUICK=1 for a short run)
 	$(PY) -m bench.read_scale $(if $(QUICK),--quick)

@@ -32,6 +32,11 @@ class Captured(Exception):
 
 def options_of(name):
     """The option strings the parser of `kdcache NAME` takes (its subcommand's, for the store's)."""
+    return {s for p in parsers_of(name) for s in p._option_string_actions}
+
+
+def parsers_of(name):
+    """The parsers `kdcache NAME` parses its arguments with (its subcommand's too, for the store's)."""
     seen = []
     real = argparse.ArgumentParser.parse_known_args  # parse_args calls it: both are caught
 
@@ -59,7 +64,7 @@ def options_of(name):
                     parsers.append(action.choices[name])
     finally:
         argparse.ArgumentParser.parse_known_args = real
-    return {s for p in parsers for s in p._option_string_actions}
+    return parsers
 
 
 def strings(path):

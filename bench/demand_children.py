@@ -26,7 +26,7 @@ import time
 import numpy as np
 
 from bench.cli import RUN, check_child, like, parse_args, trainer_option
-from bench.kd_children import TEACHER_SHAPES, Sizes as KdSizes, teacher_cost, teacher_net, trainer_defaults
+from bench.kd_children import TEACHER_SHAPES, Sizes as KdSizes, optimizer, teacher_cost, teacher_net, trainer_defaults
 from kdcache.args import Choice, Dir, Float, Int, Option, OutFile
 
 BATCH = 64
@@ -107,14 +107,13 @@ def child_prepare(root, reps, tries, epoch_s, min_steps, max_steps, target):
 def student(classes):
     """small_cnn with the trainer's optimiser and KD loss, as a user's loop would set them up."""
     import mxnet as mx
-    from mxnet import gluon
     from kdcache.trainer.loss import KDLoss
     from kdcache.trainer.models import get_model
     net = get_model(STUDENT, classes, prefix="student_")
     net.initialize(mx.init.Xavier())
     net.hybridize(static_alloc=True)
     d = trainer_defaults()
-    return (net, gluon.Trainer(net.collect_params(), "adam", {"learning_rate": d.lr, "wd": d.wd}),
+    return (net, optimizer(net, d),
             KDLoss(d.temperature, d.alpha))
 
 

@@ -55,6 +55,13 @@ def trainer_defaults():
     return build_parser().parse_args([])
 
 
+def optimizer(net, d):
+    """The trainer's optimiser with its defaults (its lr schedule aside: these loops measure speed)."""
+    from mxnet import gluon
+    return gluon.Trainer(net.collect_params(), d.optimizer, {"learning_rate": d.lr, "wd": d.wd, **(
+        {"momentum": d.momentum} if d.optimizer in ("sgd", "nag") else {})})
+
+
 def child_prepare(root, reps, tries, epoch_s, min_steps, max_steps):
     """Everything before the scenarios, in one process on one thread (an MXNet start-up costs
     seconds): calibrate and export the teachers, size the data set, and build the trainer's
@@ -113,7 +120,7 @@ def calibrate(out_dir, reps, tries):
     net.initialize(mx.init.Xavier())
     net.hybridize(static_alloc=True)
     d = trainer_defaults()
-    opt = gluon.Trainer(net.collect_params(), "adam", {"learning_rate": d.lr, "wd": d.wd})
+    opt = optimizer(net, d)
     loss_fn = KDLoss(d.temperature, d.alpha)
 
     def student_step():
@@ -212,7 +219,7 @@ def child_async(a):
     net.initialize(mx.init.Xavier(), ctx=ctx)
     net.hybridize(static_alloc=True)
     d = trainer_defaults()
-    opt = gluon.Trainer(net.collect_params(), "adam", {"learning_rate": d.lr, "wd": d.wd})
+    opt = optimizer(net, d)
     loss_fn = KDLoss(d.temperature, d.alpha)
     net(mx.nd.array(train.get_batch([0])[0], ctx=ctx)).wait_to_read()
     augment = Augment()

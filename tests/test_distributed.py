@@ -50,7 +50,7 @@ def test_two_workers_dist_sync_end_equal_and_learn(tmp_path):
     from tests.helpers import gluon_teacher
     teacher = str(tmp_path / "t")
     gluon_teacher(teacher)
-    r = launch(tmp_path, "--teacher", teacher, "--epochs", 3, "--run", "d", "--temperature", 4)
+    r = launch(tmp_path, "--teacher", teacher, "--epochs", 3, "--run", "d", "--temperature", 4, "--save-every", 1)
     assert r.returncode == 0, r.stderr[-3000:]
     w0, w1 = tmp_path / "runs/d/worker-0", tmp_path / "runs/d/worker-1"
     for epoch in range(3):

@@ -59,6 +59,14 @@ TRAIN = {
     "--alpha": (["0", "0.5", "1"], ["-0.1", "1.5", "nan"]),
     "--lr": (["0.01", "0.001"], ["0", *BAD_FLOAT]),
     "--wd": (["0", "1e-4"], BAD_FLOAT),
+    "--optimizer": (["sgd", "nag", "adam"], ["foo", ""]),
+    "--momentum": (["0", "0.9"], ["-0.1", "1.5", "nan"]),
+    "--lr-mode": (["constant", "step", "cosine"], ["linear"]),
+    "--lr-steps": (["1"], ["5,3", "x", "0", "1,1", ""]),
+    "--lr-factor": (["0.1", "0.5"], ["0", "2", "nan"]),
+    "--warmup-epochs": (["0", "1"], ["-1", "x"]),
+    "--val-fraction": (["0", "0.1"], ["0.9", "-0.1", "nan"]),
+    "--save-every": (["1", "2"], BAD_INT),
     "--student": (["mlp", "small_cnn"], ["foo", ""]),
     "--ctx": (["cpu", "auto", "CPU:0", "cpu:0,1"], ["tpu", "cpu:0,0", "gpu:9", "gpu:x"]),
     "--teacher-mode": (["cache", "inline", "none"], ["x"]),
@@ -127,6 +135,10 @@ def expected_ok(cmd, pairs):
         return d.get("--store") != "ring"  # the workers read one cache
     if cmd not in ("train", "cache"):
         return True
+    epochs = int(d.get("--epochs", 1))
+    if cmd == "train" and ("--lr-steps" in d and (d.get("--lr-mode") != "step" or int(d["--lr-steps"]) >= epochs)
+                           or int(d.get("--warmup-epochs", 0)) >= epochs):
+        return False  # steps only for the step mode, and within the epochs; an epoch after the warm-up
     kind = data_kind(d)
     if d.get("--data-root") != FILES.get(kind):  # files only for the data sets that read them, the right ones
         return False

@@ -114,7 +114,7 @@ def test_ctrl_c_in_the_epochs_is_kept_and_raised_at_a_safe_point():
 @pytest.mark.slow
 def test_cache_and_inline_give_the_same_student_and_the_cache_is_reused(teacher, tmp_path):
     common = ["--teacher", teacher, "--epochs", 2, "--seed", 3, "--dtype", "float32", "--threads", 1,
-              "--producer-threads", 1, "--temperature", 4, "--alpha", 0.7]
+              "--producer-threads", 1, "--temperature", 4, "--alpha", 0.7, "--val-fraction", 0]
     cached = train(tmp_path, *common, "--run", "cached")
     assert cached["producer_started"] and cached["teacher_forwards"] == 1438
     inline = train(tmp_path, *common, "--teacher-mode", "inline", "--run", "inline")
@@ -148,7 +148,8 @@ def test_views_topk_and_ring(teacher, tmp_path):
 
 @pytest.mark.slow
 def test_resume_continues_an_interrupted_run_to_the_same_student(teacher, tmp_path):
-    base = ["--teacher-mode", "none", "--seed", 1, "--threads", 1]  # no teacher: none is named
+    # no teacher: none is named; a fixed rate: the cut run's --epochs 2 would end a cosine schedule early
+    base = ["--teacher-mode", "none", "--seed", 1, "--threads", 1, "--lr-mode", "constant"]
     train(tmp_path, *base, "--epochs", 4, "--run", "full")
     first = train(tmp_path, *base, "--epochs", 2, "--run", "cut")
     assert len(first["history"] if "history" in first else json.load(open(tmp_path / "runs/cut/metrics.json"))["history"]) == 2
@@ -279,7 +280,8 @@ def test_several_contexts_split_each_batch_and_train_the_same_student(teacher, t
     """--ctx cpu:0,1 takes the multi-device path of --ctx gpu:0,1 (batch split across contexts,
     gradients summed by the device kvstore): the student equals the one-context student up to
     float rounding, not a different or half-trained one."""
-    common = ["--teacher", teacher, "--teacher-mode", "inline", "--epochs", 2, "--seed", 5, "--threads", 1]
+    common = ["--teacher", teacher, "--teacher-mode", "inline", "--epochs", 2, "--seed", 5, "--threads", 1,
+              "--save-every", 1]
     one = train(tmp_path, *common, "--ctx", "cpu", "--run", "one")
     two = train(tmp_path, *common, "--ctx", "cpu:0,1", "--run", "two")
     assert two["ctx"] == "[cpu(0), cpu(1)]" and one["ctx"] == "[cpu(0)]"

@@ -10,6 +10,15 @@ import time
 import traceback
 
 
+def recipe_line(r):
+    """The optimiser and its schedule in one line: sgd lr 0.1 momentum 0.9 wd 0.0001, cosine, warm-up 1 epoch(s)."""
+    if not r:
+        return "-"
+    mode = r["lr_mode"] + (f" at epochs {','.join(map(str, r['lr_steps']))} x{r['lr_factor']:g}" if r["lr_steps"] else "")
+    return (f"{r['optimizer']} lr {r['lr']:g}" + (f" momentum {r['momentum']:g}" if r["momentum"] is not None else "") +
+            f" wd {r['wd']:g}, {mode}, warm-up {r['warmup_epochs']} epoch(s), validation {r['val_items']} items")
+
+
 def summary(m):
     rows = [("teacher test accuracy", "-" if m["teacher_test_acc"] is None else f"{m['teacher_test_acc']:.4f}"),
             ("student test accuracy", f"{m['test_acc']:.4f}" if m["test_acc"] is not None else "-"),
@@ -17,7 +26,12 @@ def summary(m):
             ("stall (waiting for targets/data)", f"{m['stall_s']:.2f} s"),
             ("teacher forwards (training)", f"{m['teacher_forwards']}"),
             ("teacher mode", f"{m['teacher_mode']}" + (f" ({m['store']})" if m["store"] else "")),
+            ("student", f"{m['student']}, T {m['temperature']:g}, alpha {m['alpha']:g}, batch size "
+                        f"{m.get('batch_size', '-')}"),
             ("cache", m["cache_path"] or "-"), ("fingerprint", m["fingerprint"] or "-"),
+            ("recipe", recipe_line(m.get("recipe"))),
+            ("best epoch (validation top-1)", "-" if m.get("best_epoch") is None else
+             f"{m['best_epoch']} ({m['best_val_top1']:.4f}): {m['best_checkpoint']}"),
             ("wall time", f"{m['wall_s']:.1f} s")]
     w = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k.ljust(w)}  {v}" for k, v in rows)
@@ -96,8 +110,8 @@ def train_main(argv=None, prog="python -m kdcache.trainer"):
         return 2
     except KeyboardInterrupt as e:
         from kdcache.pipeline.interrupts import exit_status, stop_word
-        print(f"{stop_word(e)}: the last finished epoch is checkpointed; continue with --resume --run NAME",
-              file=sys.stderr)
+        print(f"{stop_word(e)}: the last finished epoch is checkpointed; continue with the same command and "
+              f"--resume --run {args.run_name}", file=sys.stderr)
         return exit_status(e)
     finally:
         if early is not None:

@@ -1,4 +1,7 @@
-"""Per-epoch checkpoints of a run: the student, the optimiser state, and state.json written last.
+"""A run's checkpoints: the student, the optimiser state, and state.json written last.
+
+The student's parameters of the last epoch, of the best (state.json["best"]) and of every
+--save-every epoch are kept; the others are removed once state.json names a later epoch.
 
 The optimiser state is kept as plain arrays and JSON, never pickle (MXNet's Trainer.save_states
 pickles the Updater, and load_states would run whatever a planted file holds):
@@ -71,9 +74,10 @@ def optimizer_state(trainer, arrays):
             "states": layout}
 
 
-def save_checkpoint(run_dir, net, trainer, epoch, state):
+def save_checkpoint(run_dir, net, trainer, epoch, state, keep=None):
     """Export the student and the optimiser state; state.json, written last and atomically,
-    says which epoch is complete, so an interrupted save is never resumed from."""
+    says which epoch is complete, so an interrupted save is never resumed from. `keep`: the
+    epochs whose parameters stay (None: all); the others go after state.json is in place."""
     tmp = os.path.join(run_dir, f".tmp-{os.getpid()}")
     net.export(tmp + "-student", epoch=epoch)
     os.replace(f"{tmp}-student-{epoch:04d}.params", os.path.join(run_dir, f"student-{epoch:04d}.params"))
@@ -94,6 +98,11 @@ def save_checkpoint(run_dir, net, trainer, epoch, state):
         old = os.path.join(run_dir, states_name(e))
         if os.path.exists(old):
             os.remove(old)
+    if keep is not None:
+        for e in range(epoch):
+            old = os.path.join(run_dir, f"student-{e:04d}.params")
+            if e not in keep and os.path.exists(old):
+                os.remove(old)
 
 
 def _count(v, what, bad):

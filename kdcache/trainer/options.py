@@ -82,15 +82,50 @@ class Student(Allowed):
         return s
 
 
+class Steps(Allowed):
+    """Epochs at which --lr-mode step multiplies the rate by --lr-factor: increasing integers >= 1
+    separated by commas, e.g. 30,60,90."""
+
+    def __call__(self, s):
+        try:
+            v = tuple(int(x) for x in str(s).split(","))
+        except ValueError:
+            fail(f"{s!r}: use epochs separated by commas, e.g. 30,60,90")
+        if any(x < 1 for x in v) or any(b <= a for a, b in zip(v, v[1:])):
+            fail(f"{s!r}: the epochs must be at least 1 and increasing, e.g. 30,60,90")
+        return v
+
+    @staticmethod
+    def format(v):
+        return ",".join(str(int(x)) for x in v)
+
+
 KVSTORES = ("local", "device", "dist_sync", "dist_async", "dist_device_sync")
 
 TRAINER = [
     Option("--student", "mlp128 | mlp | small_cnn | a Gluon model-zoo name (resnet18_v1, mobilenet0.25, ...) | "
            "MODULE:FUNCTION (your own: FUNCTION(classes) returns a HybridBlock)",
            type=Student(), default="mlp128", metavar="ARCH", group="student", make="STUDENT"),
-    Option("--lr", "Adam learning rate (the defaults were measured on digits: see the README's table)",
-           type=Float(0, 10, gt=True), default=1e-2, metavar="LR", group="student"),
-    Option("--wd", "weight decay", type=Float(0, 1), default=1e-4, metavar="WD", group="student"),
+    Option("--optimizer", "sgd (with --momentum) | nag (Nesterov) | adam (see docs/recipe.md for the sweep the "
+           "defaults come from)", choices=("sgd", "nag", "adam"), default="sgd", group="recipe"),
+    Option("--lr", "base learning rate (the peak after warm-up)", type=Float(0, 10, gt=True), default=0.1,
+           metavar="LR", group="recipe"),
+    Option("--momentum", "momentum of sgd and nag (adam ignores it)", type=Float(0, 1), default=0.9, metavar="M",
+           group="recipe"),
+    Option("--wd", "weight decay", type=Float(0, 1), default=1e-4, metavar="WD", group="recipe"),
+    Option("--lr-mode", "constant | step (times --lr-factor at each of --lr-steps) | cosine (to 0 at the last "
+           "epoch), after the warm-up; updated every step", choices=("constant", "step", "cosine"),
+           default="cosine", group="recipe"),
+    Option("--lr-steps", "epochs where --lr-mode step decays, e.g. 30,60,90 (default: half and three quarters of "
+           "--epochs)", type=Steps(), metavar="E1,E2,...", group="recipe"),
+    Option("--lr-factor", "what each --lr-steps epoch multiplies the rate by", type=Float(0, 1, gt=True),
+           default=0.1, metavar="F", group="recipe"),
+    Option("--warmup-epochs", "epochs of linear warm-up from ~0 to --lr", type=Int(0, 100000), default=0,
+           metavar="E", group="recipe"),
+    Option("--val-fraction", "share of the training split held out (by --seed) to pick the best checkpoint; never "
+           "trained on; 0: none", type=Float(0, 0.5), default=0.1, metavar="F", group="recipe"),
+    Option("--save-every", "keep the parameters of every Nth epoch too (the last and the best are always kept)",
+           type=Int(1, 100000), metavar="N", group="recipe"),
     Option("--ctx", "auto (GPU when MXNet sees one) | cpu | gpu:0[,1,...] (several GPUs: each batch is split "
            "across them, gradients summed by the device kvstore) | cpu:0,1 (the same on CPU contexts)",
            type=Ctx(), default="auto", metavar="CTX", group="student"),
@@ -150,6 +185,15 @@ def parse_args(argv=None, prog="python -m kdcache.trainer", launched=False):
                 flag = "--" + dest.replace("_", "-")
                 p.error(f"argument {flag}: --teacher-mode none trains on the hard labels alone, without a "
                         f"teacher; drop {flag} or use --teacher-mode cache or inline")
+    if args.warmup_epochs and args.warmup_epochs >= args.epochs:
+        p.error(f"argument --warmup-epochs: {args.warmup_epochs} leaves no epoch after the warm-up of --epochs "
+                f"{args.epochs}: use fewer than {args.epochs}")
+    if args.lr_steps is not None and args.lr_mode != "step":
+        p.error(f"argument --lr-steps: it applies to --lr-mode step, not {args.lr_mode}: add --lr-mode step or "
+                f"drop --lr-steps")
+    if args.lr_steps is not None and args.lr_steps[-1] >= args.epochs:
+        p.error(f"argument --lr-steps: epoch {args.lr_steps[-1]} is never reached in --epochs {args.epochs}: "
+                f"use epochs below {args.epochs}")
     if args.resume and not args.run:
         p.error("argument --resume: name the run to continue with --run NAME")
     if args.store == "ring" and args.no_producer:
@@ -173,4 +217,5 @@ def recorded(args):
     Augment, --ctx's Devices) as its command-line word."""
     from kdcache.pipeline.augment import Augment
     by_dest = {o.dest: o for o in SHARED + TRAINER}
-    return {k: by_dest[k].format(v) if isinstance(v, (Augment, Devices)) else v for k, v in vars(args).items()}
+    return {k: by_dest[k].format(v) if isinstance(v, (Augment, Devices)) else list(v) if isinstance(v, tuple) else v
+            for k, v in vars(args).items()}

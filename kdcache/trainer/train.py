@@ -17,7 +17,7 @@ from kdcache.pipeline.cachespec import build_spec
 from kdcache.pipeline.datasets import load_dataset
 from kdcache import signals
 from kdcache.pipeline.interrupts import Interrupts
-from kdcache.pipeline.schedule import EpochDigests, schedule, steps_per_epoch
+from kdcache.pipeline.schedule import EpochDigests, epoch_batches, schedule, steps_per_epoch, view_of_epoch
 from kdcache.pipeline.teacher import check_fits, load_teacher
 from kdcache.store import CacheNotFoundError, CacheReader, ProducerGoneError, path_for, registry
 from kdcache.store.registry import final_path
@@ -26,6 +26,7 @@ from kdcache.trainer.loss import KDLoss, check_finite
 from kdcache.trainer.models import check_student, get_model, model_identity
 from kdcache.trainer.options import recorded
 from kdcache.trainer.prefetch import Prefetcher
+from kdcache.trainer.recipe import EpochLog, Subset, schedule_of, val_indices
 from kdcache.trainer.targets import (TrainError, create_ring, producer_command, producer_failure, producer_result,
                              producer_running, ring_targets, start_producer, stop_producer)
 
@@ -61,6 +62,39 @@ def evaluate(net, dataset, ctx, batch_size=256):
         x, y = dataset.get_batch(np.arange(a, min(len(dataset), a + batch_size)))
         correct += int((net(mx.nd.array(x, ctx=ctx[0])).asnumpy().argmax(axis=1) == y).sum())
     return correct / len(dataset)
+
+
+def scores(net, dataset, ctx, batch_size=256):
+    """(top-1, top-5 or None when there are 5 classes or fewer, the predicted classes) on `dataset`."""
+    top1 = top5 = 0
+    wide = False
+    preds = []
+    for a in range(0, len(dataset), batch_size):
+        x, y = dataset.get_batch(np.arange(a, min(len(dataset), a + batch_size)))
+        out = net(mx.nd.array(x, ctx=ctx[0])).asnumpy()
+        preds.append(out.argmax(axis=1))
+        top1 += int((preds[-1] == y).sum())
+        wide = out.shape[1] > 5
+        if wide:
+            top5 += int((np.argsort(-out, axis=1)[:, :5] == y[:, None]).any(axis=1).sum())
+    n = max(1, len(dataset))
+    return top1 / n, (top5 / n if wide else None), (np.concatenate(preds) if preds else np.zeros(0, dtype=np.int64))
+
+
+def agreement(net, train, idx, view, ctx, *, seed, augment, teacher_logits, batch_size=256):
+    """Share of items `idx` (view `view`, the view the teacher saw) where the student's top-1 is
+    the teacher's argmax; None when the teacher's targets are not at hand (hard labels, a ring)."""
+    if teacher_logits is None or len(idx) == 0:
+        return None
+    same = 0
+    for a in range(0, len(idx), batch_size):
+        part = idx[a:a + batch_size]
+        t = teacher_logits(part, view)
+        if t is None:
+            return None
+        x, _ = make_views(train, part, view, seed=seed, augment=augment)
+        same += int((net(mx.nd.array(x, ctx=ctx[0])).asnumpy().argmax(1) == np.asarray(t).argmax(1)).sum())
+    return same / len(idx)
 
 
 def broadcast_initial_parameters(trainer, net):
@@ -149,6 +183,13 @@ def run(args, plan, early, threads, cores):
                         num_classes=args.num_classes)
     test = eval_views(test, augment)  # rrc:SIZE trains at SIZE: the test images are centre-cropped to it
     n, classes = len(train), train.num_classes
+    # The validation slice: items of the training split the loop skips, for picking the best epoch
+    # (never the test split). The schedule and the cache still cover every item: the producer needs
+    # no option of the trainer's, and a cache stays valid whatever --val-fraction is.
+    val_idx = val_indices(n, args.val_fraction, args.seed)
+    is_val = np.zeros(n, dtype=bool)
+    is_val[val_idx] = True
+    val = Subset(eval_views(train, augment), val_idx)
     log.info("data set %s: %d train / %d test samples, %d classes, %d view(s), augment %s; ctx %s, %d thread(s) "
              "of %d core(s)", train.name, n, len(test), classes, args.views, augment.spec, ctx, threads, cores)
 
@@ -211,22 +252,39 @@ def run(args, plan, early, threads, cores):
             teacher_acc = teacher_accuracy(tbase, tspec, test)
 
     # the optimiser (the student is built and checked above, before any producer starts)
-    trainer = gluon.Trainer(net.collect_params(), "adam", {"learning_rate": args.lr, "wd": args.wd},
+    spe = steps_per_epoch(n, args.batch_size)
+    lr_schedule = schedule_of(args, spe)  # per update, positioned by the optimiser's update count
+    opt_params = {"learning_rate": args.lr, "wd": args.wd, "lr_scheduler": lr_schedule,
+                  **({"momentum": args.momentum} if args.optimizer in ("sgd", "nag") else {})}
+    trainer = gluon.Trainer(net.collect_params(), args.optimizer, opt_params,
                             **({"kvstore": kv} if kv is not None else {}),
                             # dist_sync: workers all-reduce gradients and update alike, so the last, smaller
                             # batch of an epoch is normalised right and the optimiser state can be saved
                             **({"update_on_kvstore": False} if args.kvstore == "dist_sync" else {}))
-    start_epoch, history = 0, []
+    start_epoch, history, best = 0, [], None
     if args.resume:
         state = load_checkpoint(run_dir, net, trainer)
-        start_epoch, history = state["epoch"] + 1, state.get("history", [])
+        start_epoch, history, best = state["epoch"] + 1, state.get("history", []), state.get("best")
         log.info("resuming %s after epoch %d", run_dir, state["epoch"])
+    epoch_log = EpochLog(run_dir, resume_after=start_epoch - 1 if args.resume else None)
+    teacher_logits = None  # (indices, view) -> the teacher's logits, for the agreement column
+    if mode == "inline":
+        def teacher_logits(idx, v):
+            forwards = teacher.forwards  # the count reports training's forwards only
+            out = teacher.forward(make_views(train, idx, v, seed=args.seed, augment=augment)[0])
+            teacher.forwards = forwards
+            return out
+    elif reader is not None:
+        def teacher_logits(idx, v):
+            try:
+                return reader.get(idx, v, wait=False)
+            except Exception:  # not written yet (a producer behind): the column stays empty
+                return None
     if kv is not None and "dist" in kv.type:
         broadcast_initial_parameters(trainer, net)
     loss_fn = KDLoss(args.temperature, args.alpha if mode != "none" else 0.0)
 
     # epochs
-    spe = steps_per_epoch(n, args.batch_size)
     stall_total = 0.0
     seen = 0
     train_s = 0.0
@@ -246,10 +304,18 @@ def run(args, plan, early, threads, cores):
                        dynamic_ncols=True, leave=not args.quiet)
             t0 = time.perf_counter()
             tot_loss, last_report, stall_before, epoch_seen = 0.0, 0.0, 0.0, 0
+            # the global batches' sizes without their validation items (dist_sync normalises by them)
+            global_sizes = [int((~is_val[b]).sum()) for b in epoch_batches(args.seed, epoch, n, args.batch_size)]
+            epoch_lr = None
             try:
                 for st, x, y, t in pf:
                     interrupts.check()
                     digests.add(st)
+                    keep = ~is_val[st.indices]  # validation items are read with the batch, never trained on
+                    if not keep.all():
+                        x, y, t = x[keep], y[keep], (t[keep] if t is not None else None)
+                    if x.shape[0] == 0 and workers == 1:
+                        continue
                     if mode == "inline":
                         t = teacher.forward(x)
                     xs = gluon.utils.split_and_load(x, ctx, even_split=False)
@@ -267,9 +333,12 @@ def run(args, plan, early, threads, cores):
                     if workers == 1:
                         trainer.step(x.shape[0])
                     elif args.kvstore == "dist_sync":
-                        trainer.step(global_batch_size(n, args.batch_size, st.step))
+                        trainer.step(global_sizes[st.step])
                     else:  # dist_async updates on the server with one fixed normalisation
                         trainer.step(args.batch_size)
+                    if epoch_lr is None:  # the rate the optimiser used for the epoch's first update
+                        epoch_lr = trainer.learning_rate if args.kvstore != "dist_async" else \
+                            lr_schedule.at_epoch(epoch)
                     seen += x.shape[0]
                     epoch_seen += x.shape[0]
                     timeline.append((round(time.time(), 4), int(st.position), round(pf.stall_s - stall_before, 5)))
@@ -291,16 +360,30 @@ def run(args, plan, early, threads, cores):
             dt = time.perf_counter() - t0
             train_s += dt
             stall_total += pf.stall_s
-            acc = evaluate(net, test, ctx)
+            acc, top5, _ = scores(net, test, ctx)
+            val_acc = scores(net, val, ctx)[0] if len(val) else None
+            agree = agreement(net, train, val_idx, view_of_epoch(epoch, args.views), ctx, seed=args.seed,
+                              augment=augment, teacher_logits=teacher_logits, batch_size=args.batch_size)
             loss = tot_loss / max(1, epoch_seen)
             history.append({"epoch": epoch, "seconds": round(dt, 3), "loss": loss, "test_acc": acc,
-                            "stall_s": round(pf.stall_s, 3), "samples_per_s": round(epoch_seen / dt, 1)})
+                            "stall_s": round(pf.stall_s, 3), "samples_per_s": round(epoch_seen / dt, 1),
+                            "test_top5": top5, "val_acc": val_acc, "agreement": agree, "lr": epoch_lr,
+                            "samples": epoch_seen})
+            if val_acc is not None and (best is None or val_acc > best["val_top1"]):
+                best = {"epoch": epoch, "val_top1": val_acc}
+            # before the checkpoint: a crash between the two re-runs the epoch, and its row is dropped
+            epoch_log.append({"epoch": epoch + 1, "loss": loss, "top1": acc, "top5": top5, "val_top1": val_acc,
+                              "agreement": agree, "lr": epoch_lr, "samples_per_s": round(epoch_seen / dt, 1),
+                              "stall_s": round(pf.stall_s, 3)})
             log.info("epoch %d/%d: loss %.4f, test accuracy %.4f, %.0f samples/s, stall %.2f s%s", epoch + 1,
                      args.epochs, loss, acc, epoch_seen / dt, pf.stall_s,
                      f" (worker {rank} of {workers})" if workers > 1 else "")
             options = recorded(args)  # JSON: typed values as their command-line words
-            save_checkpoint(run_dir, net, trainer, epoch, {"history": history, "args": options,
-                                                           "rank": rank, "workers": workers, "kvstore": args.kvstore})
+            keep = {epoch} | ({best["epoch"]} if best else set()) | \
+                ({e for e in range(epoch + 1) if (e + 1) % args.save_every == 0} if args.save_every else set())
+            save_checkpoint(run_dir, net, trainer, epoch, {"history": history, "args": options, "best": best,
+                                                           "rank": rank, "workers": workers, "kvstore": args.kvstore},
+                            keep=keep)
             interrupts.check()
     finally:
         interrupts.restore()
@@ -328,6 +411,7 @@ def run(args, plan, early, threads, cores):
         "student_identity": model_identity(args.student), "teacher_mode": mode,
         "store": args.store if mode == "cache" else None, "temperature": args.temperature,
         "alpha": args.alpha if mode != "none" else 0.0, "epochs": args.epochs, "seed": args.seed,
+        "batch_size": args.batch_size,
         "test_acc": final_acc, "teacher_test_acc": teacher_acc,
         "samples_per_s": round(seen / train_s, 1) if train_s else None,
         "teacher_forwards": int(forwards), "stall_s": round(stall_total, 3),
@@ -338,6 +422,15 @@ def run(args, plan, early, threads, cores):
         "epoch1_s": history[0]["seconds"] if history and start_epoch == 0 else None,
         "wall_s": round(time.perf_counter() - t_start, 3), "history": history,
         "checkpoint": os.path.join(run_dir, "student-symbol.json"),
+        "recipe": {"optimizer": args.optimizer, "lr": args.lr, "momentum": args.momentum if args.optimizer != "adam"
+                   else None, "wd": args.wd, "lr_mode": args.lr_mode,
+                   "lr_steps": list(lr_schedule.steps) if args.lr_mode == "step" else None,
+                   "lr_factor": args.lr_factor if args.lr_mode == "step" else None,
+                   "warmup_epochs": args.warmup_epochs, "val_fraction": args.val_fraction, "val_items": len(val_idx),
+                   "save_every": args.save_every},
+        "best_epoch": best["epoch"] + 1 if best else None, "best_val_top1": best["val_top1"] if best else None,
+        "best_checkpoint": os.path.join(run_dir, f"student-{best['epoch']:04d}.params") if best else None,
+        "last_checkpoint": os.path.join(run_dir, f"student-{history[-1]['epoch']:04d}.params") if history else None,
         "schedule_sha256": digests.complete(),
     }
     with open(os.path.join(run_dir, "timeline.json"), "w") as fh:

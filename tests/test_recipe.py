@@ -1,0 +1,168 @@
+"""The student recipe: optimiser and lr schedule options, epochs.csv, last/best checkpoints, the validation slice."""
+import csv
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from tests.helpers import CHILD_ENV, ROOT
+
+SPE = 23  # digits: 1438 training items in batches of 64 (the schedule covers every item)
+
+
+def train(tmp_path, *args, check=True, timeout=300):
+    r = subprocess.run([sys.executable, "-m", "kdcache.trainer", "--quiet", "--json", "--runs-dir", str(tmp_path / "runs"),
+                        "--cache-dir", str(tmp_path / "caches"), "--threads", "1", "--student", "mlp",
+                        *map(str, args)], env=CHILD_ENV, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    if check:
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])
+    return r
+
+
+def rows(run_dir):
+    with open(os.path.join(run_dir, "epochs.csv"), newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def expected_lr(base, mode, epoch, *, epochs, warmup=0, steps=(), factor=0.1):
+    """The rate of epoch `epoch`'s (0-based) first update, as docs/recipe.md states it."""
+    u = epoch * SPE + 1
+    if u <= warmup * SPE:
+        return base * u / (warmup * SPE)
+    t = (u - 1) / SPE
+    if mode == "step":
+        return base * factor ** len([s for s in steps if t >= s])
+    if mode == "cosine":
+        return base * (1 + math.cos(math.pi * (t - warmup) / (epochs - warmup))) / 2
+    return base
+
+
+@pytest.mark.parametrize("mode,extra", [("constant", ()), ("step", ("--lr-steps", "2", "--lr-factor", "0.2")),
+                                        ("cosine", ())])
+def test_lr_of_each_epoch_is_the_formula_with_warmup(tmp_path, mode, extra):
+    m = train(tmp_path, "--teacher-mode", "none", "--epochs", 4, "--lr", 0.05, "--lr-mode", mode,
+              "--warmup-epochs", 1, *extra, "--run", "r")
+    got = [float(r["lr"]) for r in rows(tmp_path / "runs" / "r")]
+    want = [expected_lr(0.05, mode, e, epochs=4, warmup=1, steps=(2,), factor=0.2) for e in range(4)]
+    assert np.allclose(got, want, rtol=1e-5), (got, want)
+    assert got[0] < 0.05 / 10  # the warm-up starts near 0
+    assert m["recipe"]["lr_mode"] == mode and m["recipe"]["warmup_epochs"] == 1
+
+
+@pytest.mark.parametrize("bad,says", [(("--lr-steps", "5,3", "--lr-mode", "step"), "increasing"),
+                                      (("--lr-steps", "x", "--lr-mode", "step"), "comma"),
+                                      (("--lr-steps", "9", "--lr-mode", "step"), "never reached"),
+                                      (("--lr-steps", "1"), "--lr-mode step"),
+                                      (("--warmup-epochs", "-1"), "at least 0"),
+                                      (("--warmup-epochs", "3"), "--warmup-epochs"),
+                                      (("--optimizer", "foo"), "sgd, nag, adam"),
+                                      (("--lr-mode", "linear"), "constant, step, cosine"),
+                                      (("--val-fraction", "0.9"), "--val-fraction"),
+                                      (("--save-every", "0"), "--save-every")])
+def test_bad_recipe_values_are_one_line_and_status_2(bad, says, capsys):
+    from kdcache.trainer.options import parse_args
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--teacher-mode", "none", "--epochs", "3", *bad])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and says in err, err
+
+
+def test_bad_recipe_value_from_the_command_line(tmp_path):
+    r = train(tmp_path, "--teacher-mode", "none", "--lr-steps", "5,3", "--lr-mode", "step", check=False)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
+def test_epochs_csv_has_a_row_per_epoch_and_only_last_and_best_parameters_stay(tmp_path):
+    m = train(tmp_path, "--teacher-mode", "none", "--epochs", 3, "--run", "r")
+    run = tmp_path / "runs" / "r"
+    rs = rows(run)
+    assert list(rs[0]) == ["epoch", "loss", "top1", "top5", "val_top1", "agreement", "lr", "samples_per_s", "stall_s"]
+    assert [r["epoch"] for r in rs] == ["1", "2", "3"]
+    for r in rs:
+        assert 0 <= float(r["top1"]) <= float(r["top5"]) <= 1 and float(r["samples_per_s"]) > 0
+        assert r["agreement"] == ""  # hard labels: no teacher to agree with
+    assert float(rs[-1]["top1"]) == pytest.approx(m["test_acc"], abs=1e-6)
+    best = max(range(3), key=lambda e: (float(rs[e]["val_top1"]), -e))
+    assert m["best_epoch"] == best + 1 and m["best_val_top1"] == pytest.approx(float(rs[best]["val_top1"]), abs=1e-6)
+    kept = sorted(f for f in os.listdir(run) if f.startswith("student-") and f.endswith(".params"))
+    assert kept == sorted({f"student-{best:04d}.params", "student-0002.params"})
+    assert m["best_checkpoint"] == str(run / f"student-{best:04d}.params")
+
+
+def test_save_every_keeps_those_epochs_too(tmp_path):
+    m = train(tmp_path, "--teacher-mode", "none", "--epochs", 5, "--save-every", 2, "--run", "r")
+    kept = {f for f in os.listdir(tmp_path / "runs" / "r") if f.startswith("student-") and f.endswith(".params")}
+    want = {"student-0001.params", "student-0003.params", "student-0004.params",
+            f"student-{m['best_epoch'] - 1:04d}.params"}
+    assert kept == want
+
+
+def test_best_is_chosen_on_a_validation_slice_of_the_training_split_never_trained_on(tmp_path):
+    import mxnet as mx
+    from kdcache.pipeline.datasets import load_dataset
+    from kdcache.trainer.recipe import val_indices
+    m = train(tmp_path, "--teacher-mode", "none", "--epochs", 3, "--seed", 4, "--run", "r")
+    train_split, test_split = load_dataset("digits"), load_dataset("digits", split="test")
+    idx = val_indices(len(train_split), 0.1, 4)
+    assert len(idx) == 144 and len(set(idx.tolist())) == 144 and idx.max() < len(train_split)
+    assert not np.array_equal(val_indices(len(train_split), 0.1, 5), idx)  # by the seed
+    # the validation items are skipped by training: each epoch trains on the rest only
+    history = json.load(open(tmp_path / "runs" / "r" / "metrics.json"))["history"]
+    assert [h["samples"] for h in history] == [len(train_split) - 144] * 3
+    # the best epoch's recorded validation top-1 is its parameters' top-1 on exactly these items
+    run = tmp_path / "runs" / "r"
+    net = mx.gluon.SymbolBlock.imports(str(run / "student-symbol.json"), ["data"], m["best_checkpoint"])
+    x, y = train_split.get_batch(idx)
+    val_top1 = float((net(mx.nd.array(x)).asnumpy().argmax(1) == y).mean())
+    assert val_top1 == pytest.approx(m["best_val_top1"], abs=1e-9)
+    xt, yt = test_split.get_batch(np.arange(len(test_split)))
+    best_row = rows(run)[m["best_epoch"] - 1]
+    assert float((net(mx.nd.array(xt)).asnumpy().argmax(1) == yt).mean()) == pytest.approx(float(best_row["top1"]),
+                                                                                          abs=1e-6)
+    n0 = train(tmp_path, "--teacher-mode", "none", "--epochs", 1, "--val-fraction", 0, "--run", "all")
+    history = json.load(open(tmp_path / "runs" / "all" / "metrics.json"))["history"]
+    assert history[0]["samples"] == len(train_split) and n0["best_epoch"] is None
+
+
+def test_agreement_with_an_inline_teacher(tmp_path):
+    from tests.helpers import gluon_teacher
+    teacher = str(tmp_path / "t")
+    gluon_teacher(teacher)
+    m = train(tmp_path, "--teacher", teacher, "--teacher-mode", "inline", "--epochs", 2, "--run", "r")
+    ag = [float(r["agreement"]) for r in rows(tmp_path / "runs" / "r")]
+    assert len(ag) == 2 and all(0 < a <= 1 for a in ag)
+    history = json.load(open(tmp_path / "runs" / "r" / "metrics.json"))["history"]
+    assert [h["agreement"] for h in history] == pytest.approx(ag, abs=1e-6)
+
+
+def test_kill_keeps_finished_rows_and_resume_continues_them_with_the_same_lr(tmp_path):
+    common = ["--teacher-mode", "none", "--epochs", 6, "--batch-size", 2, "--lr", 0.02, "--lr-mode", "step",
+              "--lr-steps", "2,4", "--warmup-epochs", 1]
+    train(tmp_path, *common, "--run", "full")
+    full = rows(tmp_path / "runs" / "full")
+    run = tmp_path / "runs" / "cut"
+    p = subprocess.Popen([sys.executable, "-m", "kdcache.trainer", "--quiet", "--runs-dir", str(tmp_path / "runs"),
+                          "--threads", "1", "--student", "mlp", *map(str, common), "--run", "cut"],
+                         env=CHILD_ENV, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and p.poll() is None:
+        if os.path.exists(run / "epochs.csv") and len(rows(run)) >= 2:
+            break
+        time.sleep(0.01)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    assert p.returncode == -signal.SIGKILL, "the run ended before it was killed"
+    rows_of = rows(run)
+    assert 2 <= len(rows_of) < 6 and all(r["lr"] for r in rows_of)  # whole rows only
+    train(tmp_path, *common, "--run", "cut", "--resume")
+    after = rows(run)
+    assert [r["epoch"] for r in after] == [str(e) for e in range(1, 7)]  # no row twice, none missing
+    assert [r["lr"] for r in after] == [r["lr"] for r in full]
+    assert [r["top1"] for r in after] == [r["top1"] for r in full]  # the same run, resumed

@@ -164,8 +164,9 @@ def producer_rate(root, prefix, threads, workers, cache_dir):
     return {"images_per_s": out["rows_per_s"], "rows": out["rows_written"]}
 
 
-def table(report):
-    """The Markdown table docs/images.md shows, made from a decode.json report."""
+def render(report):
+    """[(title, markdown)] of a decode.json report: the table docs/images.md shows (python -m bench.docs
+    writes it there) and the note beside it, the machine, the peak and the load."""
     from bench.common import md_table
     rows = []
     for name, t in report["teachers"].items():
@@ -180,14 +181,21 @@ def table(report):
             f"{d['pil_ms']:.2f} ms. {cpu['model_name']} ({cpu['cpus']} cores), measured peak "
             f"{report['peak']['gflops']:.1f} GFLOP/s per core; load average before the run "
             f"{report['load_before']}{' (quick run)' if report['quick'] else ''}.")
-    return md_table(["teacher (224 px, random weights)", "teacher alone, images/s",
-                     "producer, decoding in series", "producer, decode workers",
-                     "workers / teacher alone", "series / teacher alone"], rows) + "\n\n" + note
+    return [(None, md_table(["teacher (224 px, random weights)", "teacher alone, images/s",
+                             "producer, decoding in series", "producer, decode workers",
+                             "workers / teacher alone", "series / teacher alone"], rows)), (None, note)]
+
+
+def table(report):
+    """What main prints: render(report) as the manual shows it."""
+    from bench.common import rendered
+    return rendered(render(report))
 
 
 def main(argv=None):
     from bench.cli import out_option, parse_args, quick_option, tmp_option
-    from bench.common import make_log, utc_now, write_report
+    import time
+    from bench.common import machine, make_log, utc_now, write_report
     from bench.flops import cpu_id
     if argv is None and len(sys.argv) > 1 and sys.argv[1] in ("--child-decode", "--child-teacher"):
         what, a, b = sys.argv[1:4]
@@ -198,12 +206,15 @@ def main(argv=None):
                           tmp_option("scratch folder (default: the system's)"), out_option(DEFAULT_OUT)],
                          argv, default_out=DEFAULT_OUT)
     log = make_log("bench.decode")
+    t_start = time.perf_counter()
     load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
     cores = len(os.sched_getaffinity(0))
     threads = max(1, cores - 1)  # the producer's default: all cores but one
     workers = max(1, cores - threads)
     n = QUICK_PHOTOS if args.quick else PHOTOS
     teachers = TEACHERS[:1] if args.quick else TEACHERS
+    if args.tmp:
+        os.makedirs(args.tmp, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="kdcache-decode-", dir=args.tmp) as tmp:
         root = os.path.join(tmp, "photos")
         srcs = make_photos(root, n)
@@ -229,6 +240,7 @@ def main(argv=None):
               "teachers": results, "teacher_threads": threads, "decode_workers": workers, "cores": cores,
               "cpu": cpu_id(), "peak": peak, "load_before": load_before,
               "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg()), "quick": bool(args.quick),
+              "machine": machine(mxnet=True, omp_num_threads=threads), "runtime_s": time.perf_counter() - t_start,
               "date": utc_now()}
     print(table(report))
     write_report(args.out, report)

@@ -171,3 +171,41 @@ def test_the_workers_die_with_a_producer_killed_by_9(photos, tmp_path):
     while any(alive(w) for w in workers) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(alive(w) for w in workers)
+
+
+# --- the decode benchmark --------------------------------------------------------------------
+def test_the_docs_decode_table_is_made_from_the_report():
+    """docs/images.md's block is what bench.docs makes of bench/results/decode.json, a full run's."""
+    from bench.docs import benchmark_block
+    results = os.path.join(ROOT, "bench", "results")
+    report = json.load(open(os.path.join(results, "decode.json")))
+    assert not report["quick"] and report["photos"] >= 1000
+    text = open(os.path.join(ROOT, "docs", "images.md")).read()
+    block = text.split("<!-- generated: bench.decode (python -m bench.docs) -->\n")[1].split(
+        "<!-- end: bench.decode -->")[0]
+    assert block.strip() == benchmark_block("bench.decode", results).strip()
+
+
+def test_the_photo_set_is_deterministic(tmp_path):
+    from bench.decode import make_photos
+    make_photos(str(tmp_path / "a"), 6)
+    make_photos(str(tmp_path / "b"), 6)
+    files = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*.jpg"))
+    assert len(files) == 6 and all((tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes()
+                                   for f in files)
+    from PIL import Image
+    assert all(300 <= max(Image.open(tmp_path / "a" / f).size) <= 500 for f in files)
+
+
+@pytest.mark.slow
+def test_bench_decode_quick(tmp_path):
+    from tests.helpers import positive, run_bench
+    from bench.decode import table
+    (tmp_path / "results").mkdir()  # run_bench's --out: a file in a folder that exists
+    proc, report = run_bench("decode", tmp_path)
+    assert report["quick"] and report["photos"] == 64
+    t = report["teachers"]["mobilenet1.0"]
+    assert all(positive(t[k]) for k in ("teacher_alone", "producer_serial", "producer_workers"))
+    assert positive(report["decode"]["kdcache_ms"]) and positive(report["peak"]["gflops"])
+    assert report["cpu"]["model_name"] and report["cores"] >= 1 and report["load_before"]
+    assert table(report).splitlines()[0] in proc.stdout

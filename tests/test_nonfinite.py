@@ -7,7 +7,7 @@ import h5py
 import numpy as np
 import pytest
 
-from tests.helpers import CHILD_ENV, expected_logits, make_spec, produce
+from tests.helpers import CHILD_ENV, expected_logits, make_spec, produce, reseal
 
 NAN_AUGMENT = '''
 import os
@@ -194,6 +194,7 @@ def test_verify_names_the_first_key_holding_a_non_finite_value(cache_dir, codec,
             row = d[s]
             row[v] = value if d.ndim == 2 else np.where(np.arange(d.shape[2]) == 1, value, row[v])
             d[s] = row
+    reseal(base)  # NaN written as if the teacher gave it: the checksums match, the values are the problem
     report, problems = verify(base, block_rows=64)  # several blocks: the first bad key, not the first block's
     assert len(problems) == 1, problems
     p = problems[0]
@@ -228,6 +229,7 @@ def test_the_store_verify_command_reports_it_and_exits_1(cache_dir, tmp_path):
     assert produce(base, spec)
     with h5py.File(final_path(base), "r+") as f:
         f["logits"][9, 0, 3] = np.nan
+    reseal(base)
     r = kdcache(tmp_path, "verify", base)
     assert r.returncode == 1 and "NOT sound" in r.stdout
     assert "logits holds NaN or Inf at sample 9 view 0" in r.stdout, r.stdout
@@ -285,6 +287,7 @@ def test_the_trainer_stops_at_the_first_non_finite_loss_naming_step_keys_and_cau
     path = json.loads(r.stdout.strip().splitlines()[-1])["cache_path"]
     with h5py.File(path, "r+") as f:
         f["logits"][700, 0, 3] = np.nan
+    reseal(path)
     r = kdcache(tmp_path, "train", "--teacher", teacher, "--cache-dir", "caches", "--runs-dir", "runs", "--run", "x",
                 "--epochs", 2, "--threads", 1, "--quiet", "--json")
     line = one_error_line(r)
@@ -332,6 +335,7 @@ def test_soft_target_iter_refuses_non_finite_targets(tmp_path):
     ds, p = label_cache(tmp_path)
     with h5py.File(final_path(p), "r+") as f:
         f["logits"][500, 0, 2] = np.inf
+    reseal(p)
     it = SoftTargetIter(ds, CacheReader(p), batch_size=64, seed=0)
     with pytest.raises(NonFiniteError, match=r"the teacher targets of sample 500 view 0 hold NaN or Inf") as e:
         for _ in it:

@@ -1,5 +1,6 @@
 """Doors that must not mislead: abbreviated options, Make variables that name nothing, what a run records."""
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -54,3 +55,57 @@ def test_every_declared_make_variable_is_one_the_makefile_takes():
     known = set(r.stdout.split())
     declared = {o.make for o in SHARED + PRODUCER + TRAINER if o.make}
     assert declared and declared <= known, declared - known
+
+
+def test_ls_shows_the_augmentation_and_seed_and_inspect_prints_dates(tmp_path):
+    import json
+    import numpy as np
+    from kdcache.store import CacheSpec, CacheWriter, path_for
+    spec = CacheSpec(num_samples=4, num_classes=3, views=2, dtype="float32",
+                     inputs={"teacher": "t", "augment": "crop:1", "augment_seed": 7})
+    p = path_for(str(tmp_path), spec.fingerprint)
+    with CacheWriter(p, spec) as w:
+        for view in (0, 1):
+            w.write(np.arange(4), np.zeros((4, 3), np.float32), views=view)
+    r = subprocess.run([KDCACHE, "ls", "--cache-dir", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    head, row = r.stdout.splitlines()[1:3]
+    assert "augment" in head.split() and "crop:1 seed 7" in row
+    r = subprocess.run([KDCACHE, "inspect", p, "--json"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    meta = json.loads(r.stdout)
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00", meta["last_used"]), meta["last_used"]
+    r = subprocess.run([KDCACHE, "inspect", p], capture_output=True, text=True, timeout=60)
+    (line,) = [ln for ln in r.stdout.splitlines() if ln.startswith("last_used ")]
+    assert re.search(r" \d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00$", line), line
+
+
+@pytest.mark.slow
+def test_a_run_records_its_recipe_and_a_stop_names_the_run_to_resume(tmp_path, teacher):
+    import json
+    import signal
+    import time
+    import kdcache
+    caches = str(tmp_path / "caches")
+    path = kdcache.build_cache(teacher, "digits", cache_dir=caches, dtype="float32")
+    kdcache.build_cache(teacher, "digits", cache_dir=caches, dtype="float32", split="test")  # the test accuracy's
+    common = [KDCACHE, "train", "--teacher", teacher, "--dataset", "digits", "--cache-dir", caches,
+              "--dtype", "float32", "--batch-size", "32", "-T", "3", "--alpha", "0.25", "--threads", "1"]
+    r = subprocess.run(common + ["--epochs", "1", "--run", "done"], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "starting producer" not in r.stderr, r.stderr  # both caches are complete: no producer runs
+    assert re.search(r"student +mlp128, T 3, alpha 0.25, batch size 32", r.stdout), r.stdout
+    assert path in r.stdout
+    m = json.load(open(tmp_path / "runs" / "done" / "metrics.json"))
+    assert (m["student"], m["temperature"], m["alpha"], m["batch_size"], m["cache_path"]) == \
+        ("mlp128", 3.0, 0.25, 32, path)
+    assert m["recipe"]["lr"] > 0
+    p = subprocess.Popen(common + ["--epochs", "500", "--run", "stopped"], cwd=tmp_path, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    t = time.monotonic()
+    while not (tmp_path / "runs" / "stopped" / "state.json").exists() and time.monotonic() - t < 120:
+        time.sleep(0.2)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 130 and "continue with the same command and --resume --run stopped" in err, err[-2000:]

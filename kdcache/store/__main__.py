@@ -14,9 +14,21 @@ from .errors import StoreError
 def _when(t):
     if t is None:
         return "-"
-    if isinstance(t, str):
-        return t.replace("+00:00", "Z")
-    return datetime.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M")
+    return str(_iso(t)).replace("+00:00", "Z")  # both columns in one form: ISO 8601, UTC
+
+
+def _augment(e):
+    """The views' augmentation and, when the views vary with it, their seed: what a trainer must pass."""
+    if "augment" not in e:
+        return ""
+    return e["augment"] + (f" seed {e['augment_seed']}" if e.get("augment_seed") is not None else "")
+
+
+def _iso(t):
+    """A time as ISO 8601 in UTC (seconds since the epoch, or text already written so)."""
+    if isinstance(t, (int, float)) and not isinstance(t, bool):
+        return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).isoformat(timespec="seconds")
+    return t
 
 
 def _size(b):
@@ -48,6 +60,7 @@ def cmd_ls(args):
         return 0
     rows = [{"fingerprint": e.get("fingerprint") or e["name"], "state": e["state"],
              "teacher": e.get("teacher", ""), "dataset": e.get("dataset", ""), "views": e.get("views", ""),
+             "augment": _augment(e),
              "codec": f"{e.get('codec', '')}/{e.get('dtype', '')}" if e.get("codec") else "",
              "done": f"{100 * e.get('done', 0):.1f}%", "size": _size(e["size"]),
              "created": _when(e.get("created")), "last used": _when(e.get("last_used"))} for e in entries]
@@ -90,6 +103,7 @@ def cmd_inspect(args):
     else:
         _, meta = parts_spec(parts, os.path.basename(base))
     meta.update({k: v for k, v in entry.items() if k not in meta})
+    meta["last_used"] = _iso(meta.get("last_used"))  # a date, in JSON too: created is one already
     if args.json:
         print(json.dumps(meta, indent=1, sort_keys=True, default=str))
     else:

@@ -203,6 +203,7 @@ def _info(base, fin, parts, name, tidy, held, st0):
     out.update(
         fingerprint=spec.fingerprint, format_version=int(meta[schema.A_FORMAT]),
         teacher=_describe(inputs.get("teacher")), dataset=_describe(inputs.get("dataset")),
+        augment=inputs.get("augment") or "none", augment_seed=inputs.get("augment_seed"),
         num_samples=spec.num_samples, views=spec.views, num_classes=spec.num_classes, codec=spec.codec,
         dtype=spec.dtype, created=_text(meta.get(schema.A_CREATED)), tool_version=meta.get(schema.A_TOOL_VERSION))
     return out

@@ -77,11 +77,13 @@ def producer_result(path):
         return None
 
 
-def start_producer(cmd, log_path, stdin=None):
+def start_producer(cmd, log_path, stdin=None, held=False):
     # Installed, the packages are found anyway; from a checkout that is not installed, through this.
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     fh = open(log_path, "ab")
-    log.info("starting producer: %s (log: %s)", " ".join(cmd[1:]), log_path)
+    # A held producer may never run (the cache is found complete): it is said to start when released.
+    log.log(logging.DEBUG if held else logging.INFO, "%s: %s (log: %s)",
+            "loading a producer ahead" if held else "starting producer", " ".join(cmd[1:]), log_path)
     proc = subprocess.Popen(cmd, stdin=stdin, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=os.getcwd(),
                             preexec_fn=functools.partial(before_exec, os.getpid()))
     fh.close()
@@ -170,6 +172,7 @@ class EarlyStart:
     producer: subprocess.Popen = None
     ring: object = None  # store.ring.RingReader the producer writes into
     held: bool = False  # started with --hold: it waits on its stdin for the cache's name
+    log_path: str = None
 
     def settle(self, args, plan):
         """With the plan made: create the ring the producer attaches to, or name the cache to a held
@@ -187,6 +190,7 @@ class EarlyStart:
     def release(self, plan):
         """Send the held producer on: one JSON line with the cache's path and fingerprint (it checks
         the fingerprint against its own). A producer that already failed is named later, by its log."""
+        log.info("starting producer: it fills cache %s (log: %s)", plan.spec.fingerprint, self.log_path)
         try:
             self.producer.stdin.write((json.dumps({"cache": plan.base, "fingerprint": plan.spec.fingerprint})
                                        + "\n").encode())
@@ -253,8 +257,8 @@ def spawn_early(args, run_dir, threads, cores):
                                                          result=result), log_path)
     else:
         early.producer = start_producer(producer_command(args, None, threads=pthreads, result=result, hold=True),
-                                        log_path, stdin=subprocess.PIPE)
-        early.held = True
+                                        log_path, stdin=subprocess.PIPE, held=True)
+        early.held, early.log_path = True, log_path
     return early
 
 

@@ -224,6 +224,11 @@ def tables(res, n):
     return s
 
 
+def render(report):
+    """[(title, markdown table)] of a report: what main prints, for bench.docs."""
+    return [(title, table) for title, table, _ in tables(report, report["rows"])]
+
+
 def main(argv=None, prog="python -m bench.checksums"):
     p, args = parse_args(prog, __doc__.split("\n\n")[0], OPTIONS, argv, default_out=DEFAULT_OUT)
     n = args.rows or (20_000 if args.quick else 100_000)

@@ -109,3 +109,28 @@ def test_a_run_records_its_recipe_and_a_stop_names_the_run_to_resume(tmp_path, t
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=120)
     assert p.returncode == 130 and "continue with the same command and --resume --run stopped" in err, err[-2000:]
+
+
+def said_strings(path):
+    """(line, text) of the strings a program says: in raise statements, print/warn/error calls and log calls."""
+    import ast
+    tree = ast.parse(open(path, encoding="utf-8").read(), path)
+    says = ("print", "warn", "error", "info", "warning", "exit", "fail")
+    for node in ast.walk(tree):
+        call = isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) in says
+        if isinstance(node, ast.Raise) or call:
+            for sub in ast.walk(node):
+                if isinstance(sub, ast.Constant) and isinstance(sub.value, str):
+                    yield sub.lineno, sub.value
+
+
+def test_messages_suggest_the_kdcache_command_not_make_or_python_m():
+    import glob
+    phony = re.search(r"^\.PHONY:(.*)$", open(os.path.join(ROOT, "Makefile")).read(), re.M).group(1).split()
+    hint = re.compile(r"\bmake (?:%s)\b|python -m kdcache" % "|".join(map(re.escape, phony)))
+    bad = []
+    for path in glob.glob(os.path.join(ROOT, "kdcache", "**", "*.py"), recursive=True):
+        for line, text in said_strings(path):
+            if hint.search(text):
+                bad.append(f"{os.path.relpath(path, ROOT)}:{line}: {text.strip()[:80]}")
+    assert not bad, "\n".join(bad)

@@ -147,7 +147,7 @@ def test_the_default_teacher_follows_the_data_set(tmp_path, monkeypatch, capsys)
         parse_args(["--dataset", "mnist5k"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and "teachers/mnist5k-symbol.json is missing" in err
-    assert "kdcache teacher --dataset mnist5k" in err and "make teacher DATASET=mnist5k" in err
+    assert "kdcache teacher --dataset mnist5k" in err and "make " not in err  # pip users have no Makefile
     os.makedirs("teachers")
     gluon_teacher("teachers/mnist5k")
     assert parse_args(["--dataset", "mnist5k"]).teacher == os.path.join("teachers", "mnist5k")

@@ -211,8 +211,8 @@ def resolve_teacher(args, parser=None):
             if not os.path.exists(teacher + "-symbol.json"):
                 build = "" if args.dataset == "digits" else f" --dataset {args.dataset}"
                 raise TeacherError(f"the default {args.dataset} teacher {teacher}-symbol.json is missing here "
-                                   f"({os.getcwd()}): build it with `kdcache teacher{build}` (make teacher"
-                                   f"{build.replace(' --dataset ', ' DATASET=')}) or pass --teacher PREFIX")
+                                   f"({os.getcwd()}): build it with `kdcache teacher{build}` "
+                                   f"or pass --teacher PREFIX")
         checkpoint_files(*parse_teacher_arg(teacher))
     except TeacherError as e:
         if parser is None:

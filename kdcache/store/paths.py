@@ -50,7 +50,7 @@ def path_for(cache_dir, fp):
     """Base path of the cache named by fingerprint `fp`; refuses names that could leave the directory."""
     if not is_fingerprint(fp):
         raise StoreError(f"{fp!r} is not a cache fingerprint (8-64 lowercase hex digits): pass the "
-                         f"fingerprint `python -m kdcache.store ls` shows")
+                         f"fingerprint `kdcache ls` shows")
     return os.path.join(resolve_cache_dir(cache_dir), fp)
 
 

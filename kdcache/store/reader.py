@@ -104,14 +104,14 @@ class CacheReader:
         elif os.path.isdir(self.parts):
             if not os.path.exists(os.path.join(self.parts, schema.MANIFEST)):
                 raise CacheNotFoundError(f"{self.parts} has no manifest yet: start the producer first "
-                                         f"(python -m kdcache.cache_builder ... or make cache-online)")
+                                         f"(kdcache cache --online ..., with the trainer's options)")
             self.spec, meta = parts_spec(self.parts, name)
             check_scale(self.spec, self.parts)
         else:
             raise CacheNotFoundError(
                 f"no cache at {self.base} (neither {os.path.basename(self.final)} nor "
-                f"{os.path.basename(self.parts)}): build it with `make cache` / `python -m kdcache.cache_builder`, "
-                f"or pass the right --cache-dir")
+                f"{os.path.basename(self.parts)}): build it with `kdcache cache` (the same --teacher, "
+                f"--dataset and shared options), or pass the right --cache-dir")
         self.meta = meta
         self.fingerprint = self.spec.fingerprint
         want = spec.fingerprint if spec is not None else fingerprint
@@ -374,7 +374,7 @@ class CacheReader:
                         raise ProducerGoneError(
                             f"{n} of {keys.size} targets are missing from cache {self.base} "
                             f"({self.progress:.1%} done) and no producer is running: start one "
-                            f"(make cache-online, or python -m kdcache.cache_builder) and retry")
+                            f"(kdcache cache --online, with the trainer's options) and retry")
                 if now - t0 >= timeout:
                     miss = keys[~self._done[keys]]
                     raise MissingTargetsError(

@@ -145,7 +145,7 @@ def check_format_version(version, where):
     except (TypeError, ValueError, OverflowError):
         raise UnsupportedFormatError(
             f"{where}: format version {version!r} is not an integer: the file is not a kdcache "
-            f"cache or is damaged; remove it (python -m kdcache.store gc) and rebuild") from None
+            f"cache or is damaged; remove it (kdcache gc) and rebuild") from None
     if version > FORMAT_VERSION:
         raise NewerFormatError(
             f"{where}: written with kdcache format version {version}, this kdcache reads up to "

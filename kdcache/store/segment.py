@@ -93,7 +93,7 @@ def open_swmr(path, retry_s=5.0):
             if isinstance(e, RuntimeError) or time.monotonic() >= deadline:
                 raise UnsupportedFormatError(
                     f"{path}: cannot be opened as an HDF5 segment ({e}): it is damaged or not a kdcache "
-                    f"segment; move it away or run `python -m kdcache.store gc` and let the producer rebuild") from None
+                    f"segment; move it away or run `kdcache gc` and let the producer rebuild") from None
             time.sleep(delay)
             delay = min(0.05, delay * 2)
 

@@ -162,7 +162,7 @@ def run(args, plan, early, threads, cores):
             kv = mx.kv.create(args.kvstore)
         except Exception as e:
             raise TrainError(f"--kvstore {args.kvstore}: {str(e).strip().splitlines()[-1][:200]}; for dist_* start "
-                             f"the workers with `python -m kdcache.trainer.launch` (or set the DMLC_* variables)") from None
+                             f"the workers with `kdcache launch` (or set the DMLC_* variables)") from None
         rank, workers = kv.rank, kv.num_workers
         # Held to the end of the process: freeing a dist kvstore waits at a barrier for every worker, which
         # a worker leaving on an error must not do (python -m kdcache.trainer then exits without destructors).

@@ -134,3 +134,18 @@ def test_messages_suggest_the_kdcache_command_not_make_or_python_m():
             if hint.search(text):
                 bad.append(f"{os.path.relpath(path, ROOT)}:{line}: {text.strip()[:80]}")
     assert not bad, "\n".join(bad)
+
+
+def test_every_environment_variable_is_shown_beside_the_options_and_a_bad_one_is_one_line(tmp_path, teacher):
+    import glob
+    names = set()
+    for path in glob.glob(os.path.join(ROOT, "kdcache", "**", "*.py"), recursive=True):
+        names |= set(re.findall(r"\bKDCACHE_[A-Z_]+\b", open(path, encoding="utf-8").read()))
+    assert {"KDCACHE_DIR", "KDCACHE_TEACHER_THREADS", "KDCACHE_RING_TIMEOUT", "KDCACHE_DIGEST_MEMO"} <= names
+    shown = "".join(subprocess.run([KDCACHE, name, "--help"], capture_output=True, text=True, timeout=60).stdout
+                    for name in ("cache", "train"))
+    assert not {n for n in names if f"${n}" not in shown}, names
+    r = subprocess.run([KDCACHE, "cache", "--dataset", "digits", "--teacher", teacher, "--ring", "r"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "KDCACHE_RING_TIMEOUT": "soon"})
+    assert r.returncode == 2 and "KDCACHE_RING_TIMEOUT='soon'" in r.stderr and len(r.stderr.splitlines()) == 1

@@ -23,13 +23,28 @@ Offline (default) fills every (sample, view); --online follows the training sche
 reads them. Interrupted runs (Ctrl-C, kill -9) resume where they stopped."""
 
 
+RING_TIMEOUT = 600.0  # seconds an attaching producer waits for the trainer's ring ($KDCACHE_RING_TIMEOUT)
+
+
+def ring_timeout():
+    """$KDCACHE_RING_TIMEOUT as seconds (> 0), else RING_TIMEOUT; ValueError naming it when it is no number."""
+    value = os.environ.get("KDCACHE_RING_TIMEOUT", "")
+    try:
+        seconds = float(value) if value.strip() else RING_TIMEOUT
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds < float("inf"):
+        raise ValueError(f"KDCACHE_RING_TIMEOUT={value!r}: use a number of seconds > 0, or unset it")
+    return seconds
+
+
 PRODUCER = [
     Option("--split", "which split of the data set to run the teacher on", choices=("train", "test"),
            default="train", group="producing"),
     Option("--online", "follow the training schedule (--seed, --epochs, --batch-size, --views: the trainer's) "
            "instead of key order", action="store_true", group="producing"),
-    Option("--threads", "teacher compute threads (default: all cores but one, left to the trainer; "
-           "cores/N with --shards N)", type=Int(1, 1024), metavar="N", group="producing", make="THREADS"),
+    Option("--threads", "teacher compute threads (default: $KDCACHE_TEACHER_THREADS when set, else all cores but "
+           "one, left to the trainer; cores/N with --shards N)", type=Int(1, 1024), metavar="N", group="producing", make="THREADS"),
     Option("--decode-workers", "processes that decode and augment the next batches while the teacher runs this one "
            "(0: in this process; default: the cores the teacher's threads leave for image files (recordio, "
            "imagefolder), 0 for data held in RAM)", type=Int(0, 256), metavar="N", group="producing"),
@@ -39,7 +54,8 @@ PRODUCER = [
            "cores/N); the same as N commands with --shard 0/N .. N-1/N, minus N-1 start-ups", type=Int(1, 256),
            default=1, metavar="N", group="producing", make="SHARDS"),
     Option("--ring", "stream to the shared-memory ring NAME instead of a cache file (pure streaming: keys are "
-           "(sample, epoch), nothing is persisted; implies --online)", type=Name(), metavar="NAME",
+           "(sample, epoch), nothing is persisted; implies --online); it waits $KDCACHE_RING_TIMEOUT seconds (default "
+           f"{RING_TIMEOUT:g}) for the trainer to create the ring", type=Name(), metavar="NAME",
            group="producing"),
     Option("--ring-capacity", "create the ring with this many rows (default: attach to the ring the trainer "
            "made)", type=Int(1, 1 << 28), metavar="ROWS", group="producing"),
@@ -79,6 +95,11 @@ def parse_args(argv=None, prog="python -m kdcache.cache_builder"):
                 f"{args.shards - 1}/{args.shards} itself; drop --shard")
     if args.timeline and not (args.online or args.ring):
         p.error("argument --timeline: an offline build follows no schedule; add --online (or drop --timeline)")
+    if args.ring:
+        try:
+            ring_timeout()
+        except ValueError as e:
+            p.error(str(e))
     if args.ring_capacity is not None and not args.ring:
         p.error("argument --ring-capacity: it sizes a ring; add --ring NAME (or drop --ring-capacity)")
     if args.hold and (not args.online or args.ring or args.shards > 1 or args.cache):
@@ -394,7 +415,7 @@ def run_ring(args, log, topt, dataset, augment, spec, result, timeline):
     from kdcache.pipeline.teacher import check_fits, load_teacher
     from kdcache.store.ring import RingWriter
     create = args.ring_capacity is not None
-    timeout = float(os.environ.get("KDCACHE_RING_TIMEOUT", 600))
+    timeout = ring_timeout()
     if not create:
         log.info("attaching to ring %s: waiting up to %g s for the trainer to create it (--ring-capacity ROWS "
                  "creates it here instead)", args.ring, timeout)

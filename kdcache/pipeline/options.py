@@ -156,7 +156,8 @@ SHARED = [
            "fashion-mnist | cifar10 | cifar100 | npz | recordio | imagefolder | MODULE:FUNCTION (your own: "
            "FUNCTION(split) returns a data set of (image, label))", type=DatasetSpec(),
            default="digits", metavar="NAME", group=DATA, make="DATASET"),
-    Option("--data-root", "local files of the data set (nothing is downloaded)", type=Path(exists=True),
+    Option("--data-root", "local files of the data set (nothing is downloaded); their digests are remembered in "
+           "$KDCACHE_DIGEST_MEMO (default ~/.cache/kdcache/digests.json), so a rerun reads nothing", type=Path(exists=True),
            metavar="PATH", group=DATA, make="DATA_ROOT"),
     Option("--image-size", "resize decoded images to HxW (recordio, imagefolder)", type=Size(), metavar="HxW",
            group=DATA),

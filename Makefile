@@ -61,7 +61,7 @@ TEACHER_DEP = $(if $(TEACHER),,$(DEFAULT_TEACHER_FILE))
 
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: help options setup test test-fast torture bench bench-kd bench-demand bench-store bench-read bench-checksums bench-producer bench-sizing bench-codecs bench-decode caches verify teacher cache cache-online train train-dist clean
+.PHONY: help options docs setup test test-fast torture bench bench-kd bench-demand bench-store bench-read bench-checksums bench-producer bench-sizing bench-codecs bench-decode caches verify teacher cache cache-online train train-dist clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s "$$(printf '\t')"
@@ -152,6 +152,9 @@ verify: setup  ## check the cache CACHE=PATH (store checks); with TEACHER=PREFIX
 
 options: setup  ## the options the producer and the trainer share, with their defaults and Make variables
 	$(KDCACHE) options
+
+docs: setup  ## rewrite the manual's generated tables (docs/*.md) from bench/results/*.json and the option declarations
+	$(PY) -m bench.docs
 
 clean:  ## remove the virtual environment and Python caches (caches/ and runs/ are kept)
 	rm -rf $(VENV) .pytest_cache

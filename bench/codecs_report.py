@@ -1,5 +1,5 @@
 """bench.codecs' tables: the codec table per data set, the floors with their verdicts, the Hinton-style table."""
-from bench.common import busy_warning, heading, machine_line, md_table
+from bench.common import busy_warning, heading, machine_line, md_table, for_the_manual
 
 RATIO_FLOOR = 1.5        # top-K's T^2 * KL within this factor of the ideal top-K with an even tail
 TOPK5_POINTS = 0.3       # topk:5's student no more than this many points below full/float32's, on mnist5k
@@ -116,6 +116,39 @@ def hinton_table(h):
                      "teacher forwards (all seeds)"], body, pad=False)
 
 
+def kl_short(row, t):
+    kl = row["kl"][t]
+    return "0" if kl == 0 else f"{kl:.1e}" if kl < 1e-3 else f"{kl:.3g}"
+
+
+def render(report):
+    """[(title, markdown table)]: every data set's codecs in one table, the floors, the Hinton-style table,
+    from the JSON report alone."""
+    body = []
+    for name, d in report["datasets"].items():
+        views = f"; {d['views']} views" if d["views"] > 1 else ""
+        first = f"{name}, {d['classes']} classes (teacher {pct(d['teacher']['test_acc'])}{views}; {len(d['seeds'])} seeds)"
+        for label, row in d["codecs"].items():
+            ratios = [r for r in (row.get("ratio") or {}).values() if r is not None]
+            ideal = f" ({max(ratios):.2f}x)" if ratios else ""
+            s = row["student"]
+            body.append([first, label, row["bytes_per_row"], " / ".join(kl_short(row, t) for t in ("1", "4", "20"))
+                         + ideal, f"{row['top1_agreement']:.4f}", acc_cell(s)])
+            first = ""
+        body.append(["", "no teacher", "-", "-", "-", acc_cell(d["scratch"])])
+    out = [("", md_table(["data set", "codec", "bytes/row", "T²·KL T=1 / 4 / 20 (topk: x its ideal)",
+                          "top-1 agreement", "student accuracy (mean ± std over seeds)"], body, pad=False)),
+           ("", md_table(["floor", "measured", "verdict"], [[f["floor"], f["measured"], f["verdict"]]
+                                                            for f in report["floors"]], pad=False))]
+    h = report.get("hinton")
+    if h is not None:
+        d = report["datasets"][FLOOR_DATASET]
+        out.append((f"Hinton-style, {FLOOR_DATASET} ({report['settings']['student']}, "
+                    f"{d['views']} view{'s' if d['views'] > 1 else ''}, "
+                    f"{len(d['seeds'])} seeds; `make bench-codecs` prints it):", hinton_table(h)))
+    return out
+
+
 def print_report(report):
     s = report["settings"]
     print(heading("Soft-target codecs", report["quick"], report["runtime_s"]))
@@ -156,3 +189,4 @@ def print_report(report):
               f"), each cache filled once and read by every epoch; inline runs the teacher on every sample of every "
               f"epoch.\n")
     print(f"Missed: {', '.join(f['floor'] for f in report['floors'] if f['verdict'] == 'MISS') or 'none'}.")
+    print("\n" + for_the_manual(render(report)))

@@ -370,6 +370,30 @@ def section(title, table, note):
     return f"## {title}\n\n{table}\n\n{note}\n"
 
 
+# NOTE (generated tables): a benchmark's tables in docs/benchmarks.md are render(report) of its module,
+# a pure function of its JSON report; its main prints the same render(report), and bench.docs writes
+# it into the manual, so that what a run prints and what the manual shows cannot drift apart.
+def rendered(tables):
+    """The (title, markdown table) pairs of a render(report) as markdown, each table under its title."""
+    return "\n\n".join(f"{title}\n\n{table}" if title else table for title, table in tables)
+
+
+def for_the_manual(tables):
+    """What a benchmark's main prints last: its render(report), as docs/benchmarks.md shows it."""
+    return "The manual's tables (docs/benchmarks.md; python -m bench.docs writes them from the JSON report):\n\n" \
+        + rendered(tables) + "\n"
+
+
+def run_line(report, other_cores=None):
+    """The line that dates a report's figures: its day, run time, machine and the other processes' load."""
+    m = report.get("machine") or {}
+    where = ", ".join(x for x in (m.get("cpu_model"), f"{m['cpus']} vCPUs" if m.get("cpus") else "") if x)
+    parts = [f"{report['runtime_s']:.0f} s" if report.get("runtime_s") is not None else "", where,
+             "" if other_cores is None else f"other processes used at most {other_cores:.2f} cores"]
+    quick = " (quick)" if report.get("quick") else ""
+    return f"Run of {str(report.get('date', '?'))[:10]}{quick}: " + "; ".join(x for x in parts if x) + "."
+
+
 # -- where a run writes ------------------------------------------------------------------------------------
 def scratch_dir(tmp, prefix):
     """A new directory for a run's files, in tmp (made if need be) or the system's; absolute: children run elsewhere."""

@@ -41,7 +41,7 @@ import time  # noqa: E402
 from bench.cli import RUN, out_option, parse_args, quick_option, tmp_option  # noqa: E402
 from bench.common import (Children, busy_warning, child_env, cpu_between, cpu_snapshot,  # noqa: E402
                           floors_line, heading, machine, machine_line, make_log, md_table, python_m,
-                          scratch_dir, spread, utc_now, verdict, write_report)
+                          for_the_manual, scratch_dir, spread, utc_now, verdict, write_report)
 from kdcache.args import Option  # noqa: E402
 
 DEFAULT_OUT = os.path.join("bench", "results", "demand.json")
@@ -314,6 +314,35 @@ def main(argv=None):
     return 0
 
 
+# The manual's names of the scenarios and goals (docs/benchmarks.md).
+DOC_LABELS = {"key_order": "(a) key order, demand ignored; `shuffle=True`",
+              "demand_wait": "(b) demand, waits only; `shuffle=True`",
+              "demand_announced": "(c) demand, order announced; `sampler=ds.sampler()`",
+              "schedule": "(d) kdcache's schedule: `cache_builder --online`",
+              "demand_wait_w1": "(b)", "demand_announced_w1": "(c)",
+              "demand_wait_batch": "(b') prototype: targets read per batch",
+              "demand_wait_batch_w1": "(b') prototype: targets read per batch"}
+DOC_GOALS = {"demand_announced_stall_vs_key_order": "stall of (c) / stall of (a)",
+             "announced_vs_schedule_epoch1": "epoch 1 of (c) / epoch 1 of (d)",
+             "demand_wait_stall_vs_key_order": "stall of (b) / stall of (a)"}
+
+
+def render(report):
+    """[(title, markdown table)]: the first epoch of each scenario and the goals, from the JSON report alone."""
+    def stall(r):
+        return f"{r['stall_s']:.2f}" + (f" (loop's wait {r['data_wait_s']:.2f})" if r["num_workers"] else "")
+    rows = [[DOC_LABELS.get(r["scenario"], r["label"]), r["num_workers"], f"{r['epoch1_s']:.2f}", stall(r),
+             f"{r['ratio_to_slowest_stage']:.2f}",
+             "-" if r["scenario"] == "schedule" or r["demand_rows"] is None else r["demand_rows"], f"{100 * r['read_when_producer_done']:.0f}%"]
+            for r in report["results"]]
+    goals = [[DOC_GOALS.get(name, name), f"{g['measured']:.2f}", g["limit"], g["verdict"]]
+             for name, g in sorted(report["goals"].items(), key=lambda kv: list(DOC_GOALS).index(kv[0])
+                                   if kv[0] in DOC_GOALS else len(DOC_GOALS))]
+    return [("", md_table(["scenario", "num_workers", "epoch-1 s", "stall s", "vs slowest stage alone", "demand_rows",
+                           "read when the producer finished"], rows, pad=False)),
+            ("Goals:", md_table(["goal", "measured", "limit", "verdict"], goals, pad=False))]
+
+
 def print_report(report, by, names, gl, why, quick, runtime):
     m, ld, st, cal = report["machine"], report["load"], report["stages"], report["calibration"]
     print(heading("kdcache demand-driven producing", quick, runtime))
@@ -372,6 +401,7 @@ def print_report(report, by, names, gl, why, quick, runtime):
     if warning:
         print(warning)
     print(floors_line([g["goal"] for g in gl if g["verdict"] != "PASS"]))
+    print("\n" + for_the_manual(render(report)))
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ import statistics  # noqa: E402
 import time  # noqa: E402
 
 from bench.common import (ROOT, Children, busy_warning, child_env, floors_line, heading, machine,  # noqa: E402
-    machine_line, md_table, python_m, scratch_dir, spread, utc_now, verdict, write_report)
+    machine_line, md_table, python_m, for_the_manual, scratch_dir, spread, utc_now, verdict, write_report)
 from bench.cli import OUTPUT, RUN, out_option, parse_args, quick_option, tmp_option  # noqa: E402
 from bench.kd_scenarios import (BATCH, ORDER, REQUIRED, RSS, SEED, STUDENT, TARGETS, THREADS, log,  # noqa: E402
                                 plot_online, repeat_epoch1, result_rows, rounded, run_pair, teacher_alone)
@@ -95,6 +95,48 @@ def pair_table(rows):
           "-" if r["stall_s"] is None else f"{r['stall_s']:.2f}", f"{r['cpu_cores_used'] or 0:.2f}",
           mib(r["peak_rss_mib"], "trainer"), mib(r["peak_rss_mib"], "producer"), r["teacher_forwards"],
           f"{r['other_processes_cores'] or 0:.2f}"] for r in rows])
+
+
+# -- the manual's tables (docs/benchmarks.md) --------------------------------------------------------------
+SCENARIO_NAMES = {"student_only": "student alone", "inline": "inline (GluonCV's way)",
+                  "inline_async": "inline, async engine", "online": "kdcache online, cold cache",
+                  "warm": "kdcache, warm cache", "ring": "kdcache ring"}
+
+
+def render(report):
+    """[(title, markdown table)]: the CPU section's scenarios and its floors, from the JSON report alone."""
+    def num(v, fmt):
+        return "-" if v is None else format(v, fmt)
+    rows = [[r["pair"], SCENARIO_NAMES[r["scenario"]], f"{r['samples_per_s']:.0f}", f"{r['ratio_to_student_only']:.2f}",
+             num(r.get("epoch1_start_after_launch_s"), ".2f"), f"{r['epoch1_s']:.1f}", num(r["stall_s"], ".1f")]
+            for r in report["results"] if r["section"] == "cpu" and r["scenario"] in SCENARIO_NAMES]
+    scenarios = md_table(["pair", "scenario", "samples/s", "vs student alone", "epoch 1 starts (s after launch)",
+                          "epoch-1 s", "stall s"], rows, pad=False)
+    fl, stages = report["floors"], report["stages"]
+
+    def of(name, pairs):
+        found = [fl[f"{name}:{p}"] for p in pairs if f"{name}:{p}" in fl]
+        return found, "PASS" if all(f["verdict"] == "PASS" for f in found) else "MISS"
+
+    def slowest(pair):
+        st = stages[pair]
+        t, s = st["teacher_alone_epoch_s"], st["student_alone_epoch1_s"]
+        return f"teacher {t:.2f} s" if t >= s else f"student {s:.2f} s"
+    lines = []
+    found, v = of("warm_vs_student_only", TARGETS)
+    lines.append([f"warm >= {FLOORS['warm_vs_student_only']} x student alone",
+                  ", ".join(f"{f['measured']:.2f} ({f['pair']})" for f in found), v])
+    for sc in ("online", "ring"):
+        found, v = of(f"{sc}_vs_inline_heavy", ["heavy"])
+        ceiling = f" (ceiling at this calibration: {found[0]['ideal_from_stages']:.3f})" if sc == "ring" and found else ""
+        lines.append([f"{sc} >= {FLOORS['vs_inline_heavy']} x inline, heavy teacher (samples/s)",
+                      "".join(f"{f['measured']:.2f}" for f in found) + ceiling, v])
+    for sc in ("online", "ring"):
+        found, v = of(f"{sc}_epoch1_vs_slowest_stage", TARGETS)
+        lines.append([f"{sc} epoch 1 <= {FLOORS['epoch1_vs_slowest_stage']} x slowest stage alone",
+                      ", ".join(f"{f['measured']:.3f} ({f['pair']}" + (f": {slowest(f['pair'])})" if sc == "online" else ")")
+                                for f in found), v])
+    return [("", scenarios), ("Floors:", md_table(["floor", "measured", "verdict"], lines, pad=False))]
 
 
 # -- floors ------------------------------------------------------------------------------------------------
@@ -326,6 +368,7 @@ def main(argv=None):
             print(pair_table([r for r in gpu["results"] if r["pair"] == pair]) + "\n")
     missed = [f"{f['floor']} ({f['pair']})" for f in fl if f["verdict"] != "PASS"]
     print(floors_line(missed))
+    print("\n" + for_the_manual(render(report)))
     write_report(args.out, report)
     print(f"Report: {args.out}\nPlot: {png}")
     return 1 if gpu.get("error") else 0

@@ -42,7 +42,7 @@ import shutil  # noqa: E402
 import time  # noqa: E402
 
 from bench.common import (Children, busy_warning, floors_line, heading, machine, machine_line,  # noqa: E402
-    md_table, python_m, scratch_dir, section, spread, utc_now, verdict, write_report)
+    md_table, python_m, rate, for_the_manual, scratch_dir, section, spread, utc_now, verdict, write_report)
 from bench.cli import out_option, parse_args, quick_option, tmp_option  # noqa: E402
 from bench.flops import cpu_id, gflops_table, invalid_lines, peak_line, teacher_figures  # noqa: E402
 from bench.producer_children import CLASSES, SHAPE, TEACHER_WIDTHS  # noqa: E402
@@ -89,6 +89,41 @@ def against_peak(r1, teacher, peaks, batch):
 
 
 # -- main -----------------------------------------------------------------------------------------
+def render(report):
+    """[(title, markdown table)]: the producer against the bare teacher and two shards against one (with their
+    floors), then the teacher against the core's measured peak, from the JSON report alone."""
+    o, t = report["sections"]["producer_vs_bare_forward"], report["sections"]["two_shards_vs_one"]
+    fl, v = report["floors"], report["verdicts"]
+
+    def floor(name):
+        return f"{fl[name]['op']} {fl[name]['value']:g}"
+    best, med = o["rows_per_s_best"], o["rows_per_s_median"]
+    check = t["checks"][0] if t.get("checks") else {}
+    same = ("identical" if report["two_shard_cache_identical"] else
+            f"equal within one float16 step ({check.get('rows_differing', '?')} rows of {t['n']:,} differ by one step)"
+            if report["two_shard_cache_equal"] else "NOT equal")
+    rows = [[f"producer rows/s vs the bare teacher forward ({o['threads']} thread, batch {o['batch']}, {o['n']:,} rows)",
+             f"{rate(best['producer'])} vs {rate(best['bare'])}: {o['producer_vs_bare_forward']:.2f} "
+             f"(medians {o['producer_vs_bare_forward_median']:.2f})", floor("producer_vs_bare_forward"),
+             v["producer_vs_bare_forward"]],
+            [f"two shards vs one producer on two cores, `--shards 2`, wall time with start-up, {t['n']:,} rows from "
+             f"an .npz file", f"{t['wall_s_best']['one']:.1f} s vs {t['wall_s_forked_best']:.1f} s: "
+             f"{t['two_shards_vs_one']:.2f}", floor("two_shards_vs_one"), v["two_shards_vs_one"]],
+            ["the same, summed work-loop rows/s", f"{rate(t['rows_per_s_aggregate_best']['one'])} vs "
+             f"{rate(t['rows_per_s_aggregate_best']['two'])}: {t['two_shards_vs_one_aggregate']:.2f}",
+             floor("two_shards_vs_one_aggregate"), v["two_shards_vs_one_aggregate"]],
+            ["the same, two separate commands `--shard 0/2` and `--shard 1/2` (each loads the data)",
+             f"{t['two_shards_vs_one_separate_processes']:.2f}", "(info)", ""],
+            ["2-shard cache vs one producer's", same, "equal", "PASS" if report["two_shard_cache_equal"] else "MISS"]]
+    pk = report["peak"]
+    title = (f"The teacher against this core's measured peak, {pk['gflops']:.1f} GFLOP/s per core (float32 "
+             f"{pk['n']}x{pk['n']} matrix product, one thread, best of {pk['repeats']}, {pk['source']}; `mx.nd.dot` "
+             f"{pk['mx.nd.dot']['gflops']:.1f}; " + ", ".join(f"{g:.1f}" for g in report.get("peaks_gflops", []))
+             + " before and after the other sections):")
+    return [("", md_table(["comparison", "measured", "floor", "verdict"], rows, pad=False)),
+            (title, gflops_table(report["gflops"]))]
+
+
 def main(argv=None):
     _, args = parse_args(
         "python -m bench.producer",
@@ -183,6 +218,7 @@ def main(argv=None):
     if not r2["two_shard_cache_equal"]:
         missed.append("two_shard_cache_equal")
     print(floors_line(missed))
+    print("\n" + for_the_manual(render(report)))
 
     write_report(args.out, report)
     print(f"Report: {args.out}")

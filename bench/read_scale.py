@@ -39,7 +39,7 @@ import numpy as np  # noqa: E402
 
 from bench import read_scale_sections as S  # noqa: E402
 from bench.common import (busy_warning, cpu_between, cpu_snapshot, floors_line, heading, machine,  # noqa: E402
-    machine_line, md_table, rate, scratch_dir, section, utc_now, verdict, write_report)
+    machine_line, md_table, rate, for_the_manual, scratch_dir, section, utc_now, verdict, write_report)
 from bench.cli import RUN, out_option, parse_args, quick_option, tmp_option  # noqa: E402
 from kdcache.args import Int, Option  # noqa: E402
 
@@ -80,6 +80,46 @@ def fmt_s(s):
 
 def fmt_rate(x):
     return rate(x) if x is not None else "-"
+
+def render(report):
+    """[(title, markdown table)]: the mapped reader against its baselines and floors, from the JSON report alone
+    (a line whose measurement the run skipped is left out)."""
+    op, g, rd, cold = report["open"], report["gather"], report["readers"], report.get("cold") or {}
+    best, fl, v = g["rows_per_s_best"], report["floors"], report["verdicts"]
+
+    def floor(name):
+        return f"{fl[name]['op']} {fl[name]['value']:g}"
+    ram = (f"`mmap=False`: {op['ram_s']:.1f} s (reads it all, float16 widened to float32)" if op.get("ram_s")
+           else f"`mmap=False`: skipped ({op.get('ram_skipped')})")
+    rows = [["open the finished file (page cache warm)", f"{1e3 * op['map_s_best']:.1f} ms", ram,
+             f"{op['ram_vs_map']:.0f}x" if op.get("ram_vs_map") else "", "", ""],
+            ["random gathers of 256, warm, float32 out", f"{rate(best['map_get'])} rows/s",
+             f"numpy `a16[b].astype(float32)` on the same array in RAM: {rate(best['numpy_f32'])}",
+             f"{g['map_vs_numpy_gather']:.2f}", floor("map_vs_numpy_gather"), v["map_vs_numpy_gather"]],
+            ["the same, float16 out", f"{rate(best['map_raw'])} rows/s", f"numpy `a16[b]`: {rate(best['numpy_raw'])}",
+             f"{g['map_raw_vs_numpy_raw']:.2f}", "", ""]]
+    if best.get("ram_get"):
+        rows.append(["the same vs today's reader (float32 held in RAM)", f"{rate(best['map_get'])} rows/s",
+                     rate(best["ram_get"]), f"{g['map_vs_ram_reader']:.2f}", "", ""])
+    m, r = rd["map"], rd.get("ram")
+    rows.append([f"Pss of {m['processes']} reader processes, each gathering every row once, all alive",
+                 f"{fmt_gb(m['pss_sum'])}, {m['pss_vs_file']:.2f}x the file",
+                 f"`mmap=False`: {fmt_gb(r['pss_sum'])}, {r['pss_vs_file']:.2f}x" if r else "",
+                 "", f"{floor('pss_map_vs_file')}x", v["pss_map_vs_file"]])
+    rnd, slow, seq = cold.get("random"), cold.get("random_no_readahead"), cold.get("sequential")
+    if rnd and slow:
+        rows.append(["first epoch after the file's pages were dropped, random order",
+                     f"{rate(rnd['rows_per_s'])} rows/s ({rnd['epoch_s']:.1f} s)",
+                     f"the same map with no read-ahead (MADV_RANDOM): {rate(slow['rows_per_s'])} "
+                     f"({slow['epoch_s']:.0f} s)", f"{rnd['rows_per_s'] / slow['rows_per_s']:.1f}", "", ""])
+    first, plain = cold.get("random_read_first"), cold.get("plain_read")
+    if seq and first and plain:
+        rows.append(["the same, key order", f"{rate(seq['rows_per_s'])} rows/s ({seq['epoch_s']:.1f} s)",
+                     f"one plain read of the file ({plain['bytes_per_s'] / 1e9:.1f} GB/s), then a random epoch: "
+                     f"{first['total_s']:.1f} s in all", "", "", ""])
+    return [("", md_table(["comparison", "mapped (default)", "baseline", "ratio", "floor", "verdict"], rows,
+                          pad=False))]
+
 
 def run(args, p, root, rng, sections, busy):
     """The six sections; fills `sections` with (title, table, note). Returns the report's measured part."""
@@ -268,6 +308,7 @@ def main(argv=None):
     for title, table, note in sections:
         print(section(title, table, note))
     print(floors_line([k for k, v in verdicts.items() if v != "PASS"]))
+    print("\n" + for_the_manual(render(report)))
     write_report(args.out, report)
     print(f"Report: {args.out}")
     return 0

@@ -33,8 +33,8 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench import store_gather as gather, store_write as write  # noqa: E402
-from bench.common import (floors_line, heading, machine, machine_line, make_log, scratch_dir, section,  # noqa: E402
-    utc_now, verdict, write_report)
+from bench.common import (floors_line, heading, machine, machine_line, make_log, md_table, rate, for_the_manual,  # noqa: E402
+    scratch_dir, section, utc_now, verdict, write_report)
 from bench.cli import RUN, out_option, parse_args, quick_option, tmp_option  # noqa: E402
 from kdcache.args import Int, Option  # noqa: E402
 
@@ -61,6 +61,40 @@ OPTIONS = [
 ]
 
 log = make_log("bench.store")
+
+
+def render(report):
+    """[(title, markdown table)]: the comparisons against their floors, then the store's other figures, from the
+    JSON report alone."""
+    sec, r, v, fl = report["sections"], report["rows_per_s"], report["verdicts"], report["floors"]
+    g, f = sec["gather_vs_numpy"], sec["gather_vs_per_sample_files"]
+    w = sec["write_order"]
+
+    def floor(name):
+        return f"{fl[name]['op']} {fl[name]['value']:g}"
+    rows = [[f"gather, random batches of {g['batch']}, {g['n']:,} x {g['c']}, in RAM", f"{rate(r['gather_kdcache'])} rows/s",
+             f"numpy on the same array in RAM: {rate(g['rows_per_s_best']['numpy_held'])}",
+             f"{g['gather_vs_numpy']:.2f} ({g['gather_vs_numpy_float16_array']:.2f} vs the float16 array, "
+             f"{g['gather_vs_numpy_f32']:.2f} vs float16 + conversion)", floor("gather_vs_numpy"), v["gather_vs_numpy"]],
+            [f"gather vs one .npy file per sample (torchdistill's layout), {f['n']:,} x {f['c']}",
+             f"{rate(r['files_kdcache'])} rows/s", f"{rate(r['files_per_sample'])} rows/s",
+             f"{f['gather_vs_per_sample_files']:.0f}", floor("gather_vs_per_sample_files"),
+             v["gather_vs_per_sample_files"]]]
+    for c, what in (("10", "writes in shuffled training order vs index order, C=10"), ("1000", "the same, C=1000")):
+        name = f"shuffled_vs_ordered_write_c{c}"
+        rows.append([what, f"{rate(r[f'write_c{c}_shuffled'])} rows/s", rate(r[f"write_c{c}_ordered"]),
+                     f"{report[name]:.2f}", floor(name), v[name]])
+    o, vis = sec["out_of_core"], report["visibility_ms"]
+    bpr, disk = report["bytes_per_row"], report["bytes_per_row_on_disk"]
+    others = [[f"gather out of core (memory_budget=0), batches of {g['batch']}",
+               f"{rate(o['rows_per_s_best'])} rows/s ({o['ms_per_batch_best']:.1f} ms a batch), "
+               f"{o['in_ram_vs_out_of_core']:.0f}x slower than in RAM"],
+              ["a row a producer process commits is visible to a reader within",
+               f"{vis['median']:.1f} ms (median; p95 {vis['p95']:.1f} ms)"]]
+    others += [[f"bytes per row, {k.replace('@', ' at ')}: codec / on disk in a {sec['bytes_per_row']['n']:,}-row file",
+                f"{bpr[k]} / {disk[k]:.1f}"] for k in bpr]
+    return [("", md_table(["comparison", "kdcache", "baseline", "ratio", "floor", "verdict"], rows, pad=False)),
+            ("", md_table(["measure", "value"], others, pad=False))]
 
 
 def main(argv=None):
@@ -150,6 +184,7 @@ def main(argv=None):
     for title, table, note in sections:
         print(section(title, table, note))
     print(floors_line([k for k, v in verdicts.items() if v != "PASS"]))
+    print("\n" + for_the_manual(render(report)))
 
     write_report(args.out, report)
     print(f"Report: {args.out}")

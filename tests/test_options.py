@@ -129,9 +129,15 @@ def test_a_producer_started_by_hand_writes_the_order_a_trainer_reads(tmp_path):
 
 
 def test_the_manuals_options_table_is_the_declaration():
+    """The manual's table of the shared options is generated from SHARED, whole, and says what
+    `kdcache options` says (tests/test_docs.py checks every generated block the same way)."""
+    from bench.docs import blocks_of, options_table
     from kdcache.args import option_table
     from kdcache.pipeline.options import SHARED
-    text = open(os.path.join(ROOT, "docs", "options.md")).read()
+    path = os.path.join(ROOT, "docs", "options.md")
+    text = open(path, encoding="utf-8").read()
+    [block] = [text[start:end] for name, start, end, _ in blocks_of(path, text) if name == "options.shared"]
+    assert block.strip() == options_table(SHARED)
     for flag, default, allowed, make in option_table(SHARED):
         row = f"| `{flag}` | {default} | {allowed.replace('|', chr(92) + '|')} | {make or '-'} |"
-        assert row in text, row
+        assert row in block, row

@@ -9,6 +9,7 @@ import pytest
 
 import kdcache
 from kdcache.store import StoreError
+from tests.conftest import ROOT
 from tests.helpers import gluon_teacher
 
 PY = sys.executable
@@ -113,3 +114,31 @@ def test_soft_target_iter_takes_a_gluon_dataset(built):
         assert np.array_equal(batch.data[0].asnumpy(), x) and np.array_equal(batch.label[0].asnumpy(), y)
         with pytest.raises(ValueError, match="the data set has 3 items, the cache holds targets for 1438"):
             kdcache.SoftTargetIter(gluon.data.SimpleDataset([digits[i] for i in range(3)]), reader)
+
+
+def api_examples():
+    """docs/api.md's Python files (blocks starting '# NAME.py:') and the shell lines that run them."""
+    import re
+    text = open(os.path.join(ROOT, "docs", "api.md")).read()
+    files = {m.group(2): m.group(1) for m in re.finditer(r"```python\n(# (\w+\.py):.*?\n)```", text, re.S)}
+    block = next(b for b in re.findall(r"```sh\n(.*?)```", text, re.S) if "python api_gluon.py" in b)
+    return files, [ln.split("  #")[0].strip() for ln in block.splitlines() if ln.strip()]
+
+
+@pytest.mark.slow
+def test_the_api_page_s_examples_run_outside_the_clone(tmp_path):
+    import re
+    import shlex
+    from tests.test_install import clean_env
+    files, lines = api_examples()
+    assert set(files) == {"api_gluon.py", "api_module.py"}
+    for name, code in files.items():
+        (tmp_path / name).write_text(code)
+    env = clean_env(os.path.dirname(PY))
+    for line in lines:
+        r = subprocess.run(shlex.split(line), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, f"{line}: {r.stderr[-3000:]}"
+        if line.startswith("python "):
+            acc = float(re.search(r"student test accuracy ([\d.]+)", r.stdout).group(1))
+            assert acc > 0.9, (line, acc)  # 10 classes: chance is 0.1
+    assert len(os.listdir(tmp_path / "caches")) == 1  # both examples read the one cache

@@ -37,6 +37,7 @@ BENCHMARKS = {
     "bench.producer": ("bench.producer", "producer.json"),
     "bench.codecs": ("bench.codecs_report", "codecs.json"),
     "bench.distill": ("bench.distill_table", "distill.json"),
+    "bench.sizing": ("bench.sizing", "sizing.json"),
     "bench.decode": ("bench.decode", "decode.json"),
 }
 

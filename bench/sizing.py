@@ -27,7 +27,7 @@ limit_threads(os.environ)  # one core, before MXNet loads: the unit the extrapol
 import time  # noqa: E402
 
 from bench.common import (BenchError, busy_warning, cpu_between, cpu_snapshot, heading, machine,  # noqa: E402
-    machine_line, make_log, md_table, section, utc_now, write_report)
+    for_the_manual, machine_line, make_log, md_table, section, utc_now, write_report)
 from bench.cli import out_option, parse_args, quick_option  # noqa: E402
 from bench.flops import (Meter, cpu_id, cpu_text, gflops_table, gluon_symbol, invalid_lines,  # noqa: E402
     macs_per_image, measure_peak, one_thread, peak_line, teacher_figures)
@@ -56,6 +56,32 @@ log = make_log("bench.sizing")
 
 def size(nbytes):
     return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.0f} MB"
+
+
+def render(report):
+    """[(title, markdown table)]: bytes per view of each codec, then each teacher's throughput per core against the
+    peak and the producer cores a student needs, from the JSON report alone."""
+    n = report["imagenet_train_images"]
+    rows = []
+    for key, b in report["bytes_per_row"].items():
+        codec, dtype = key.rsplit("/", 1)
+        rows.append([f"`{codec}`, {dtype}", f"{b:,}", size(b * n), size(10 * b * n)])
+    views = md_table(["codec", "bytes per row", f"one view ({n:,} rows)", "10 views"], rows, pad=False)
+    rows = []
+    for name, t in report["teachers"].items():
+        rows.append([name, f"{t['gflop_per_image']:.2f}", *(["INVALID"] * 3 if t["invalid"] else
+                     [f"{t['images_per_s_per_core']:.1f}", f"{t['gflops_per_core']:.1f}", f"{t['fraction_of_peak']:.2f}"]),
+                     *(["INVALID"] * 2 if t["invalid"] else [f"{t['cores_to_feed_student']:,.0f}",
+                                                              f"{t['cold_epoch_minutes_with_cores']:,.0f} min"]),
+                     f"{t['cores_used']:.2f}"])
+    pk = report["peak"]
+    title = (f"Forward only, batch {report['batch']}, 224x224, one thread; measured peak {pk['gflops']:.1f} GFLOP/s per "
+             f"core (float32 {pk['n']}x{pk['n']} matrix product, best of {pk['repeats']}, {pk['source']}; "
+             + ", ".join(f"{g:.1f}" for g in report.get("peaks_before_after", [])) + " before and after the teachers):")
+    teachers = md_table(["teacher", "GFLOP per image (2 x MACs)", "images/s per core", "GFLOP/s per core",
+                         "fraction of the measured peak", f"producer cores for {report['student_rate']:,.0f} images/s",
+                         f"cold epoch (one view) on {report['cores']} cores", "cores used"], rows, pad=False)
+    return [("", views), (title, teachers)]
 
 
 def teacher_rate(name, batch, seconds, min_batches):
@@ -152,12 +178,14 @@ def main(argv=None):
     if warning:
         print(warning)
     invalid = invalid_lines(figures)
-    write_report(args.out, {
+    report = {
         "bytes_per_row": sizes, "imagenet_train_images": IMAGENET_TRAIN, "classes": IMAGENET_CLASSES,
         "teachers": rates, "batch": batch, "student_rate": args.student_rate, "cores": args.cores,
         "peak": peak, "peaks_before_after": [p["gflops"] for p in peaks], "cpu": cpu,
         "threads": {"before": threads, "after": threads_after}, "cpu_during_teachers": busy,
-        "valid": not invalid, "machine": m, "quick": bool(args.quick), "runtime_s": runtime, "date": utc_now()})
+        "valid": not invalid, "machine": m, "quick": bool(args.quick), "runtime_s": runtime, "date": utc_now()}
+    print(for_the_manual(render(report)))
+    write_report(args.out, report)
     print(f"Report: {args.out}")
     if invalid:  # the report keeps the evidence; the command fails
         print("error: per-core figures one core cannot have produced:\n" + "\n".join(invalid), file=sys.stderr)

@@ -71,8 +71,11 @@ def test_ls_shows_the_augmentation_and_seed_and_inspect_prints_dates(tmp_path):
     assert r.returncode == 0, r.stderr
     head, row = r.stdout.splitlines()[1:3]
     assert "augment" in head.split() and "crop:1 seed 7" in row
+    old = os.stat(p + ".h5")
+    os.utime(p + ".h5", (old.st_atime - 10 * 86400, old.st_mtime))  # last used 10 days ago
     r = subprocess.run([KDCACHE, "inspect", p, "--json"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
+    assert abs(os.stat(p + ".h5").st_atime - (old.st_atime - 10 * 86400)) < 1  # looking is not using: gc ages by it
     meta = json.loads(r.stdout)
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00", meta["last_used"]), meta["last_used"]
     r = subprocess.run([KDCACHE, "inspect", p], capture_output=True, text=True, timeout=60)

@@ -95,11 +95,15 @@ def cmd_inspect(args):
         raise StoreError(f"{entry['path']}: {entry['error']}" if entry["path"] not in entry["error"]
                          else entry["error"])
     if os.path.exists(fin):
-        spec, meta = final_spec(fin, os.path.basename(base))
-        with open_final(fin) as f:
-            meta["datasets"] = {k: {"shape": list(f[k].shape), "dtype": str(f[k].dtype)} for k in f.keys()}
-            sums = checksums.load(f, fin, spec)
-            meta["checksums"] = sums.describe() if sums else NO_CHECKSUMS
+        st0 = os.stat(fin)
+        try:
+            spec, meta = final_spec(fin, os.path.basename(base))
+            with open_final(fin) as f:
+                meta["datasets"] = {k: {"shape": list(f[k].shape), "dtype": str(f[k].dtype)} for k in f.keys()}
+                sums = checksums.load(f, fin, spec)
+                meta["checksums"] = sums.describe() if sums else NO_CHECKSUMS
+        finally:  # looking at a cache is not using it: gc ages caches by their last use (atime)
+            registry._restore_atime(fin, st0)
     else:
         _, meta = parts_spec(parts, os.path.basename(base))
     meta.update({k: v for k, v in entry.items() if k not in meta})

@@ -22,16 +22,16 @@ DEFAULT_TEACHER = DEFAULT_TEACHERS["digits"]
 
 
 class Codec(Allowed):
-    """full | topk:K with K from 1 to the class count | int8."""
+    """full | topk:K with K from 1 to the class count | int8 | sampled:K with K draws from 1 to 65535."""
 
     def __call__(self, s):
         v = str(s).strip().lower()
         if v in ("full", "int8"):
             return v
-        m = re.fullmatch(r"topk:(\d+)", v)
-        if not m or int(m.group(1)) < 1:
-            fail(f"{s!r}: use full, topk:K with K an integer >= 1 (e.g. topk:5) or int8")
-        return f"topk:{int(m.group(1))}"
+        m = re.fullmatch(r"(topk|sampled):(\d+)", v)
+        if not m or int(m.group(2)) < 1:
+            fail(f"{s!r}: use full, topk:K with K an integer >= 1 (e.g. topk:5), int8, or sampled:K (e.g. sampled:16)")
+        return f"{m.group(1)}:{int(m.group(2))}"
 
 
 class AugmentSpec(Allowed):
@@ -177,7 +177,8 @@ SHARED = [
     Option("--cache", "explicit cache path instead of <cache-dir>/<fingerprint>", type=CachePath(), metavar="PATH",
            group=CACHE),
     Option("--codec", "full (raw logits) | topk:K (the K largest logits and the tail's mass) | int8 (every logit "
-           "in 8 bits over the row's range)", type=Codec(), default="full", metavar="CODEC", group=CACHE,
+           "in 8 bits over the row's range) | sampled:K (K draws from the teacher's distribution at T = 1, an unbiased "
+           "sparse estimate)", type=Codec(), default="full", metavar="CODEC", group=CACHE,
            make="CODEC"),
     Option("--dtype", "storage type of the logits (full, topk:K; int8 stores 8-bit codes and takes float16 only)",
            choices=("float16", "float32"), default="float16", group=CACHE),

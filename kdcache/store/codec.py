@@ -15,6 +15,16 @@
   the dtype: int8 takes the default dtype, float16, only (float32 would name a second cache of
   the same bytes); unlike float16 it never overflows.
 
+* ``sampled:K`` -- Sparse Logit Sampling (Anshumann et al., ACL 2025): K classes drawn with
+  replacement from the teacher's distribution at temperature 1, stored as the distinct classes
+  drawn and their counts: 3K bytes per row (K <= 255; 4K above). The estimate count / K is
+  unbiased: its expectation over draws is the teacher's distribution p. The draws are keyed by
+  (flat key, the cache's seed), so a rebuild stores the same rows whatever the batch order or
+  sharding. decode() gives log(count / K), and SAMPLED_FLOOR for the classes not drawn: at T = 1
+  the KD loss is then the student's cross-entropy against the sparse estimate (up to a constant),
+  as in the paper; at T != 1 the student sees the estimate tempered (count^(1/T)), which is no
+  longer unbiased.
+
 Codec versions: ``topk`` version 1 (files written before the log-tail existed) stored no tail;
 its reader rebuilds the tail as 1 - (the stored top values' mass), in float64, for the rows
 where float16 rounding leaves that difference known to within 25%; a file with other rows is
@@ -26,7 +36,8 @@ from . import schema
 from .errors import BadInputError, DamagedRowsError, NewerFormatError, StoreError
 
 DTYPES = ("float16", "float32")
-VERSIONS = {"full": 1, "topk": 2, "int8": 1}  # the version of each codec that writers write
+VERSIONS = {"full": 1, "topk": 2, "int8": 1, "sampled": 1}  # the version of each codec that writers write
+SAMPLED_FLOOR = -1.0e4  # decoded logit of a class no draw gave: finite (0 * log 0 would make the KD loss NaN), exp() 0
 LOGTAIL_NONE = -1.0e4  # topk_logtail of a row without a tail (K = C): exp() of it is 0 at any temperature
 # Relative rounding of a stored value (half an ulp): float16, float32.
 _ROUNDING = {np.dtype(np.float16): 2.0 ** -11, np.dtype(np.float32): 2.0 ** -24}
@@ -220,6 +231,105 @@ class Int8Codec:
         return np.zeros(len(fields[schema.INT8_LO]), dtype=bool)
 
 
+class SampledCodec:
+    """K draws with replacement from softmax(logits) (temperature 1), stored as the distinct classes and
+    their counts; the estimate count / K of the teacher's distribution is unbiased (Anshumann et al. 2025)."""
+    name = "sampled"
+    version = 1
+
+    def __init__(self, num_classes, k, dtype="float16", seed=0):
+        self.num_classes = int(num_classes)
+        self.k = int(k)
+        if not 1 <= self.k <= 65535:
+            raise StoreError(f"codec sampled:{k} needs 1 <= K <= 65535 draws: pick K in that range")
+        self.dtype = np.dtype(dtype)  # recorded in the metadata; the rows are class indices and counts
+        self.seed = int(seed) & _MASK64
+        self.index_dtype = np.dtype(np.uint16 if self.num_classes <= 65536 else np.int32)
+        self.count_dtype = np.dtype(np.uint8 if self.k <= 255 else np.uint16)
+        self.spec = f"sampled:{self.k}"
+
+    @property
+    def fields(self):
+        return [(schema.SAMPLED_INDICES, (self.k,), self.index_dtype),
+                (schema.SAMPLED_COUNTS, (self.k,), self.count_dtype)]
+
+    @property
+    def bytes_per_row(self):
+        return sum(int(np.prod(s)) * np.dtype(d).itemsize for _, s, d in self.fields)
+
+    def uniforms(self, keys):
+        """[B, K] uniforms in [0, 1) from (the cache's seed, flat key, draw): counter-based, so a row's draws
+        depend on its key alone, not on the batch it was written in."""
+        keys = np.asarray(keys, dtype=np.int64).reshape(-1).astype(np.uint64)
+        base = _splitmix64(keys ^ np.uint64(self.seed))
+        ctr = base[:, None] + (np.arange(1, self.k + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15))[None, :]
+        return (_splitmix64(ctr) >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
+
+    def encode(self, logits, keys=None):
+        x = np.asarray(logits, dtype=np.float64)
+        _finite_or_raise(x, keys, f"codec {self.spec}")
+        if keys is None:
+            raise BadInputError(f"codec {self.spec} draws each row's classes from its key: pass the rows' keys")
+        b, c, k = x.shape[0], self.num_classes, self.k
+        p = np.exp(x - x.max(axis=1, keepdims=True))
+        cdf = np.cumsum(p, axis=1)
+        cdf /= cdf[:, -1:]
+        # inverse CDF for every row at once: row r's CDF lies in [r, r + 1] of one increasing array
+        rows = np.arange(b, dtype=np.float64)[:, None]
+        flat = (cdf + rows).reshape(-1)
+        u = self.uniforms(keys) + rows
+        drawn = np.searchsorted(flat, u.reshape(-1), side="right").reshape(b, k) - np.arange(b)[:, None] * c
+        drawn = np.clip(drawn, 0, c - 1)  # rounding at a row's last CDF step
+        drawn.sort(axis=1)
+        start = np.ones((b, k), dtype=bool)
+        start[:, 1:] = drawn[:, 1:] != drawn[:, :-1]
+        slot = np.cumsum(start, axis=1) - 1
+        r = np.broadcast_to(np.arange(b)[:, None], (b, k))
+        counts = np.zeros((b, k), dtype=np.int64)
+        np.add.at(counts, (r, slot), 1)
+        idx = np.zeros((b, k), dtype=np.int64)
+        idx[r[start], slot[start]] = drawn[start]
+        return {schema.SAMPLED_INDICES: idx.astype(self.index_dtype),
+                schema.SAMPLED_COUNTS: counts.astype(self.count_dtype)}
+
+    def probabilities(self, fields):
+        """The estimate count / K of each row's distribution, float64 [B, C] (0 for classes not drawn)."""
+        idx = fields[schema.SAMPLED_INDICES].astype(np.int64)
+        cnt = fields[schema.SAMPLED_COUNTS].astype(np.int64)
+        b, c = idx.shape[0], self.num_classes
+        wrong = (idx < 0) | (idx >= c)
+        bad = wrong.any(axis=1) | (cnt.sum(axis=1) != self.k)
+        if bad.any():  # a writer never stores these: the file changed since
+            rows = np.flatnonzero(bad)
+            raise DamagedRowsError(f"{rows.size} row(s) of codec {self.spec} hold a class index outside [0, {c}) "
+                                   f"or counts that do not sum to {self.k}: the cache is damaged", rows=rows)
+        flat = (np.arange(b)[:, None] * c + idx).reshape(-1)
+        return np.bincount(flat, weights=cnt.reshape(-1) / self.k, minlength=b * c).reshape(b, c)
+
+    def decode(self, fields, out=None):
+        q = self.probabilities(fields)
+        with np.errstate(divide="ignore"):
+            x = np.where(q > 0, np.log(q), SAMPLED_FLOOR)
+        if out is None:
+            return x.astype(np.float32)
+        out[...] = x
+        return out
+
+    def unrecoverable(self, fields):
+        return np.zeros(len(fields[schema.SAMPLED_COUNTS]), dtype=bool)
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(z):
+    """SplitMix64's finaliser, elementwise on uint64 (wrapping arithmetic): well-mixed 64-bit values."""
+    z = np.asarray(z, dtype=np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
 def log_tail_mass(logits, idx, lse=None):
     """log of the probability mass (temperature 1) of the classes not in `idx` [B, K], in float64, from
     their own logits (never the difference of two near-equal sums); LOGTAIL_NONE when there are none."""
@@ -241,9 +351,10 @@ def _logsumexp(x):
         return m_safe + np.log(np.exp(x - m_safe[:, None]).sum(axis=1))
 
 
-def make_codec(codec, num_classes, dtype="float16", version=None):
-    """Codec object from its spec string: 'full', 'topk:K' or 'int8'; `version`: the codec version a
-    file records (None: the version writers write now)."""
+def make_codec(codec, num_classes, dtype="float16", version=None, seed=0):
+    """Codec object from its spec string: 'full', 'topk:K', 'int8' or 'sampled:K'; `version`: the codec
+    version a file records (None: the version writers write now); `seed`: the cache's seed (sampled:K's
+    draws)."""
     if dtype not in DTYPES:
         raise StoreError(f"dtype {dtype!r} is not supported: use one of {', '.join(DTYPES)}")
     codec = str(codec).strip().lower()
@@ -263,4 +374,14 @@ def make_codec(codec, num_classes, dtype="float16", version=None):
             raise NewerFormatError(f"codec int8 version {version} is unknown to this kdcache (it reads 1): upgrade "
                                    f"kdcache, or rebuild the cache")
         return Int8Codec(num_classes, dtype)
-    raise StoreError(f"codec {codec!r} is unknown: use 'full', 'topk:K' (for example topk:5) or 'int8'")
+    if codec.startswith("sampled:"):
+        if version not in (None, 1):
+            raise NewerFormatError(f"codec sampled version {version} is unknown to this kdcache (it reads 1): "
+                                   f"upgrade kdcache, or rebuild the cache")
+        try:
+            k = int(codec.split(":", 1)[1])
+        except ValueError:
+            raise StoreError(f"codec {codec!r}: K must be an integer, as in sampled:16") from None
+        return SampledCodec(num_classes, k, dtype, seed)
+    raise StoreError(f"codec {codec!r} is unknown: use 'full', 'topk:K' (for example topk:5), 'int8' or "
+                     f"'sampled:K' (for example sampled:16)")

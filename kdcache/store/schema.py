@@ -44,6 +44,8 @@ TOPK_LOGTAIL = "topk_logtail"   # topk codec (version 2): log of the probability
 INT8_CODES = "int8_codes"       # int8 codec: uint8 codes of all C logits, (x - lo) / scale rounded
 INT8_LO = "int8_lo"             # int8 codec: the row's smallest logit (float32)
 INT8_SCALE = "int8_scale"       # int8 codec: the row's step, (max - min) / 255 (float32; 0 for a constant row)
+SAMPLED_INDICES = "sampled_indices"  # sampled codec: the distinct classes drawn (K slots, count 0 in unused slots)
+SAMPLED_COUNTS = "sampled_counts"    # sampled codec: how many of the K draws gave each class (estimate: count / K)
 DONE = "done"                   # final file: uint8 [N, V], 1 where the row holds the teacher's output
 CHECKSUMS = "checksums"         # final file: uint32 [chunks, fields], a CRC-32 of each codec field's bytes per
                                 # chunk of samples (store.checksums); absent in files written before it existed

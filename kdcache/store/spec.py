@@ -39,7 +39,14 @@ class CacheSpec:
         self.make_codec()  # validates codec, dtype and codec version
 
     def make_codec(self):
-        return make_codec(self.codec, self.num_classes, self.dtype, self.codec_version)
+        return make_codec(self.codec, self.num_classes, self.dtype, self.codec_version, seed=self.draw_seed)
+
+    @property
+    def draw_seed(self):
+        """The cache's seed for codecs that draw (sampled:K): the augmentation's seed, part of the inputs (and
+        so of the fingerprint); 0 when the views do not vary. A rebuild or a conversion draws the same."""
+        seed = self.inputs.get("augment_seed") if isinstance(self.inputs, dict) else None
+        return int(seed) if isinstance(seed, numbers.Integral) else 0
 
     @property
     def num_keys(self):

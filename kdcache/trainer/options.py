@@ -100,6 +100,23 @@ class Steps(Allowed):
         return ",".join(str(int(x)) for x in v)
 
 
+class Ensemble(Allowed):
+    """CACHE[:WEIGHT[:T]],CACHE[:WEIGHT[:T]]... (two or more caches of the same data, views and seed; WEIGHT
+    and the member's temperature T default to 1)."""
+
+    def __call__(self, s):
+        from kdcache.store.ensemble import parse_members  # numpy, no MXNet
+        from kdcache.store.errors import StoreError
+        try:
+            return parse_members(s)
+        except StoreError as e:
+            fail(str(e))
+
+    @staticmethod
+    def format(v):
+        return ",".join(str(m) for m in v)
+
+
 KVSTORES = ("local", "device", "dist_sync", "dist_async", "dist_device_sync")
 
 TRAINER = [
@@ -140,6 +157,11 @@ TRAINER = [
            metavar="T", group="distillation", make="T", short="-T"),
     Option("--alpha", "weight of the soft term; 1 - alpha weighs the hard labels (0.5 = GluonCV's)",
            type=Float(0, 1), default=0.5, metavar="A", group="distillation", make="ALPHA"),
+    Option("--ensemble", "distil from several teachers' caches combined per key at read time (no teacher runs; "
+           "replaces --teacher and --cache)", type=Ensemble(), metavar="CACHE[:W[:T]],...", group="distillation"),
+    Option("--ensemble-rule", "logits: the weighted mean of the members' logits / T; probs: of their "
+           "probabilities at T, as log-probabilities", choices=("logits", "probs"), default="logits",
+           group="distillation"),
     Option("--store", "cache: persistent HDF5; ring: stream through shared memory, nothing persisted",
            choices=("cache", "ring"), default="cache", group="distillation"),
     Option("--ring-capacity", "ring size in rows", type=Int(1, 1 << 28), default=4096, metavar="ROWS",
@@ -174,7 +196,13 @@ def parse_args(argv=None, prog="python -m kdcache.trainer", launched=False):
     args = p.parse_args(argv)
     if args.cache == "auto":
         args.cache = None
-    if args.teacher_mode != "none":
+    if args.ensemble is not None:
+        for flag, bad in (("--teacher-mode", args.teacher_mode != "cache"), ("--store", args.store != "cache"),
+                          ("--teacher", args.teacher is not None), ("--cache", args.cache is not None)):
+            if bad:
+                p.error(f"argument --ensemble: it reads the members' caches and runs no teacher; drop {flag}")
+        args.no_producer = True  # the members are finished caches (or filled by producers started elsewhere)
+    elif args.teacher_mode != "none":
         resolve_teacher(args, p)
     check_views(args, p)
     check_applies(args, p)
@@ -217,5 +245,5 @@ def recorded(args):
     Augment, --ctx's Devices) as its command-line word."""
     from kdcache.pipeline.augment import Augment
     by_dest = {o.dest: o for o in SHARED + TRAINER}
-    return {k: by_dest[k].format(v) if isinstance(v, (Augment, Devices)) else list(v) if isinstance(v, tuple) else v
-            for k, v in vars(args).items()}
+    return {k: by_dest[k].format(v) if isinstance(v, (Augment, Devices)) or k == "ensemble" and v else
+            list(v) if isinstance(v, tuple) else v for k, v in vars(args).items()}

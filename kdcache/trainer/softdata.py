@@ -24,6 +24,7 @@ from mxnet import gluon
 
 from kdcache.pipeline.augment import apply_one, as_augment
 from kdcache.store import CacheReader, StoreError
+from kdcache.store.ensemble import EnsembleReader
 
 # Values in shared memory, so that worker processes forked before a change see it: the epoch, and whether an
 # order was (or will be) announced.
@@ -45,7 +46,7 @@ class SoftTargetDataset(gluon.data.Dataset):
     """Items (image float32 [C, H, W], label, soft target float32 [classes]) of `dataset`.
 
     `targets`: a cache (its path P, P.h5 or P.parts, or an open CacheReader) built from this data
-    set with this seed, view count and augmentation; `augment`: None (no augmentation), a spec
+    set with this seed, view count and augmentation, or an EnsembleReader over several such caches; `augment`: None (no augmentation), a spec
     ("crop:4,flip"), or FUNCTION(image, rng) -> image. The cache's record of the augmentation and
     seed must match, or the targets would be for other images: StoreError says so.
     `reader_options` go to each process's CacheReader (timeout, heartbeat_timeout, ...).
@@ -56,7 +57,11 @@ class SoftTargetDataset(gluon.data.Dataset):
         self.seed, self.views = int(seed), int(views)
         self.augment = as_augment(augment)
         self._options = reader_options
-        if isinstance(targets, CacheReader):
+        self._recipe = None  # an ensemble: how each process opens its own
+        if isinstance(targets, EnsembleReader):
+            self._path, self._fp, reader = None, targets.fingerprint, targets
+            self._recipe = targets.recipe()
+        elif isinstance(targets, CacheReader):
             self._path, self._fp, reader = targets.base, targets.fingerprint, targets
         else:
             self._path, self._fp = os.fspath(targets), None
@@ -71,7 +76,7 @@ class SoftTargetDataset(gluon.data.Dataset):
 
     def _check(self, reader):
         spec = reader.spec
-        where = f"cache {reader.base}"
+        where = f"cache {reader.base}" if reader.base else f"the ensemble's caches ({reader.readers[0].base}, ...)"
         if len(self.dataset) != spec.num_samples:
             raise StoreError(f"{where} holds targets for {spec.num_samples} samples, the data set has "
                              f"{len(self.dataset)}: pass the data set the cache was built from")
@@ -133,7 +138,8 @@ class SoftTargetDataset(gluon.data.Dataset):
             return reader
         with _opening:
             if self._reader is None or self._pid != os.getpid():
-                self._reader = CacheReader(self._path, fingerprint=self._fp, **self._options)
+                self._reader = (EnsembleReader(**self._recipe) if self._recipe is not None else
+                                CacheReader(self._path, fingerprint=self._fp, **self._options))
                 self._pid = os.getpid()
             return self._reader
 

@@ -158,7 +158,7 @@ def make_plan(args):
     from kdcache.pipeline.checkpoint import TeacherOptions
     from kdcache.store import path_for, registry
     train = load_train(args)
-    if args.teacher_mode == "none":
+    if args.teacher_mode == "none" or getattr(args, "ensemble", None):  # an ensemble opens its caches in run()
         return Plan(train, resolve_augment(args.augment, train.name, args.views))
     topt = TeacherOptions.from_args(args)
     spec, augment = spec_from_args(args, train, topt)

@@ -146,6 +146,26 @@ def open_reader(args, plan, producer, rank, producer_log):
             signals.sleep(0.05)
 
 
+def open_ensemble(args, train, augment):
+    """The --ensemble reader, its members checked against this run's data set, views, seed and augmentation."""
+    from kdcache.store.ensemble import EnsembleReader
+    reader = EnsembleReader(args.ensemble, rule=args.ensemble_rule, timeout=args.wait_timeout)
+    want = build_spec(None, train, views=args.views, augment=augment, seed=args.seed)
+    for what, mine, theirs in (("sample count", want.num_samples, reader.spec.num_samples),
+                               ("class count", want.num_classes, reader.spec.num_classes),
+                               ("views", want.views, reader.spec.views),
+                               *((f"{k.replace('_', ' ')}", want.inputs[k], reader.spec.inputs.get(k))
+                                 for k in ("dataset", "augment", "augment_seed"))):
+        if mine != theirs:
+            reader.close()
+            raise TrainError(f"--ensemble: its caches ({reader.members[0].cache}, ...) hold another {what} than this "
+                             f"run's ({str(theirs)[:80]} vs {str(mine)[:80]}): pass the --dataset, --views, --augment and --seed they "
+                             f"were built with")
+    log.info("ensemble of %d caches (%s, rule %s): the teacher costs nothing in this run", len(reader.members),
+             ", ".join(r.fingerprint for r in reader.readers), reader.rule)
+    return reader
+
+
 KVSTORES = []
 
 
@@ -221,6 +241,10 @@ def run(args, plan, early, threads, cores):
             correct += int((teacher.forward(x).argmax(1) == y).sum())
         teacher_acc = correct / len(test)
         teacher.forwards = 0
+    elif mode == "cache" and args.ensemble:
+        reader = open_ensemble(args, train, augment)
+        targets = lambda st: reader.get(st.indices, st.view)  # noqa: E731
+        test_cache_missing = False
     elif mode == "cache":
         pthreads = args.producer_threads or max(1, cores - threads)
         if args.store == "ring":
@@ -347,7 +371,7 @@ def run(args, plan, early, threads, cores):
                     now = time.perf_counter()
                     if now - last_report > 0.5:
                         last_report = now
-                        if reader is not None:
+                        if reader is not None and reader.base:
                             registry.write_position(reader.base, st.position, epoch=epoch, step=st.step, run=run_name)
                         bar.set_postfix(loss=f"{tot_loss / max(1, epoch_seen):.4f}",
                                         stall=f"{pf.stall_s:.1f}s", refresh=False)
@@ -417,6 +441,7 @@ def run(args, plan, early, threads, cores):
         "teacher_forwards": int(forwards), "stall_s": round(stall_total, 3),
         "target_wait_s": round(reader.stall_s if reader else (ring.stall_s if ring else 0.0), 3),
         "cache_path": cache_path, "fingerprint": spec.fingerprint if spec else None,
+        "ensemble": dict(reader.identity(), fingerprint=reader.fingerprint) if args.ensemble else None,
         "producer_started": producer is not None, "threads": threads, "ctx": str(ctx),
         "kvstore": args.kvstore, "rank": rank, "workers": workers,
         "epoch1_s": history[0]["seconds"] if history and start_epoch == 0 else None,

@@ -127,3 +127,17 @@ def test_the_command_line_takes_the_codec():
     proc = subprocess.run([sys.executable, "-m", "kdcache.cache_builder", "--codec", "sampled:0"], cwd=ROOT,
                           env=CHILD_ENV, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and "sampled:K" in proc.stderr
+
+
+def test_kdcache_convert_encodes_it_from_full_logits(tmp_path):
+    """A full float32 cache converted to sampled:8 holds the rows a producer writing sampled:8 from the same
+    teacher writes: the conversion goes through the codec's own encode, keyed the same way."""
+    from kdcache.store.convert import convert
+    full = make_spec(num_samples=120, num_classes=30, codec="full", dtype="float32")
+    assert produce(str(tmp_path / "full"), full, seed=3)
+    out = convert(str(tmp_path / "full"), "sampled:8", "float16", cache_dir=str(tmp_path / "conv"))
+    direct = CacheSpec(num_samples=120, num_classes=30, codec="sampled:8", dtype="float16", inputs=full.inputs)
+    assert produce(str(tmp_path / "direct"), direct, seed=4)
+    with h5py.File(out["cache_path"], "r") as fa, h5py.File(final_path(str(tmp_path / "direct")), "r") as fb:
+        for name in (schema.SAMPLED_INDICES, schema.SAMPLED_COUNTS):
+            assert np.array_equal(fa[name][...], fb[name][...])

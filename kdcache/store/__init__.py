@@ -8,12 +8,13 @@ from .errors import (BadInputError, CacheNotFoundError, ConsumerGoneError, Finge
                      WriterBusyError)
 from .fingerprint import file_digest, fingerprint
 from .reader import CacheReader
+from .ensemble import EnsembleReader
 from .registry import path_for, resolve_cache_dir
 from .schema import FORMAT_VERSION
 from .spec import CacheSpec
 from .writer import CacheWriter, finalize
 
-__all__ = ["CacheSpec", "CacheWriter", "CacheReader", "finalize", "make_codec", "fingerprint",
+__all__ = ["CacheSpec", "CacheWriter", "CacheReader", "EnsembleReader", "finalize", "make_codec", "fingerprint",
            "file_digest", "path_for", "resolve_cache_dir", "FORMAT_VERSION", "StoreError",
            "BadInputError", "CacheNotFoundError", "ConsumerGoneError", "FingerprintMismatchError",
            "MissingTargetsError", "ProducerGoneError", "UnsupportedFormatError", "WriterBusyError"]

@@ -61,7 +61,7 @@ TEACHER_DEP = $(if $(TEACHER),,$(DEFAULT_TEACHER_FILE))
 
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: help options docs setup test test-fast torture bench bench-kd bench-demand bench-store bench-read bench-checksums bench-producer bench-sizing bench-codecs bench-decode caches verify teacher cache cache-online train train-dist clean
+.PHONY: help options docs setup test test-fast torture bench bench-kd bench-demand bench-store bench-read bench-checksums bench-producer bench-sizing bench-codecs bench-ensemble bench-decode caches verify teacher cache cache-online train train-dist clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s "$$(printf '\t')"
@@ -114,6 +114,9 @@ bench-decode: setup  ## photos from JPEG files at 224 px: decode ms per image, t
 
 bench-codecs: setup $(CODEC_TEACHERS)  ## soft-target codecs (full, topk:K, int8): distance to the teacher and students distilled from each (QUICK=1 for a short run)
 	$(PY) -m bench.codecs $(if $(QUICK),--quick)
+
+bench-ensemble: setup  ## read-time teacher ensembles on mnist5k: three teachers alone and together, students from each, 0 teacher forwards to build the ensemble (QUICK=1 for a short run)
+	$(PY) -m bench.ensemble $(if $(QUICK),--quick)
 
 bench-store: setup  ## store micro-benchmarks: gather, write order, codec sizes (QUICK=1 for a short run)
 	$(PY) -m bench.store $(if $(QUICK),--quick)

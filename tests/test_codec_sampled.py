@@ -141,3 +141,28 @@ def test_kdcache_convert_encodes_it_from_full_logits(tmp_path):
     with h5py.File(out["cache_path"], "r") as fa, h5py.File(final_path(str(tmp_path / "direct")), "r") as fb:
         for name in (schema.SAMPLED_INDICES, schema.SAMPLED_COUNTS):
             assert np.array_equal(fa[name][...], fb[name][...])
+
+
+def test_the_students_calibration_error():
+    """The trainer's test_ece (the codec table's calibration column): 15 equal bins of the softmax's confidence,
+    |accuracy - confidence| weighted by the items in each."""
+    import mxnet as mx
+    from kdcache.trainer.train import expected_calibration_error
+
+    class Items:
+        def __init__(self, y):
+            self.y = np.asarray(y)
+
+        def __len__(self):
+            return len(self.y)
+
+        def get_batch(self, idx):
+            return np.asarray(idx, dtype=np.float32)[:, None], self.y[idx]
+
+    # confidence 0.9 on class 0 for every item: 6 of 10 right -> |0.6 - 0.9| = 0.3
+    logit = float(np.log(0.9 / (0.1 / 3)))
+    net = lambda x: mx.nd.array(np.tile([logit, 0.0, 0.0, 0.0], (x.shape[0], 1)))  # noqa: E731
+    y = [0] * 6 + [1] * 4
+    assert abs(expected_calibration_error(net, Items(y), [mx.cpu()], batch_size=3) - 0.3) < 1e-6
+    y = [0] * 9 + [1]  # right as often as it is confident: 0
+    assert expected_calibration_error(net, Items(y), [mx.cpu()]) < 1e-6

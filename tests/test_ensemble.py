@@ -166,7 +166,7 @@ def test_kdcache_train_with_an_ensemble_of_two_teachers(tmp_path):
                 "--run", "ens", "--quiet", "--json", "-T", "4", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     m = json.loads((tmp_path / "runs" / "ens" / "metrics.json").read_text())
-    assert m["teacher_forwards"] == 0 and m["test_acc"] > 0.5
+    assert m["teacher_forwards"] == 0 and m["test_acc"] > 0.5 and 0 <= m["test_ece"] < 0.5
     assert m["ensemble"]["rule"] == "probs"
     assert [x["weight"] for x in m["ensemble"]["members"]] == [0.75, 0.25]
     fps = []
@@ -183,3 +183,20 @@ def test_kdcache_train_with_an_ensemble_of_two_teachers(tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr and "views" in r.stderr, r.stderr[-2000:]
     said = [line for line in r.stderr.strip().splitlines() if not line.startswith("[trainer")]  # its log aside
     assert len(said) == 1 and said[0].startswith("error: ensemble member"), r.stderr
+
+
+@pytest.mark.slow
+def test_bench_ensemble_quick(tmp_path):
+    """make bench-ensemble QUICK=1: three mnist5k teachers alone and together, a student from each, the
+    ensemble built with 0 teacher forwards, its tables printed."""
+    from tests.helpers import run_bench
+    proc, rep = run_bench("ensemble", tmp_path, timeout=900)
+    assert rep["quick"] is True and rep["settings"]["seeds"] == [0] and rep["settings"]["rule"] == "probs"
+    assert set(rep["teachers"]) == {"cnn-s0", "cnn-s1", "small-s2"}
+    assert all(0.5 < t["test_acc"] <= 1 and t["cache_teacher_forwards"] == 4000 for t in rep["teachers"].values())
+    assert 0.5 < rep["ensemble"]["test_acc"] <= 1 and rep["ensemble"]["teacher_forwards_to_build"] == 0
+    assert [m["fingerprint"] for m in rep["ensemble"]["identity"]["members"]] == \
+        [t["cache_fingerprint"] for t in rep["teachers"].values()]
+    assert set(rep["students"]) == {"scratch", "cnn-s0", "cnn-s1", "small-s2", "ensemble"}
+    assert all(len(s["accs"]) == 1 and 0 < s["mean"] <= 1 for s in rep["students"].values())
+    assert "| ensemble (probs, equal weights) |" in proc.stdout and "paired by seed" in proc.stdout

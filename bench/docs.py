@@ -39,6 +39,7 @@ BENCHMARKS = {
     "bench.distill": ("bench.distill_table", "distill.json"),
     "bench.sizing": ("bench.sizing", "sizing.json"),
     "bench.decode": ("bench.decode", "decode.json"),
+    "bench.recipe": ("bench.recipe_sweep", "recipe_sweep.json"),
 }
 
 # block name -> (module, the list of kdcache.args.Option it declares): each command's options with their help

@@ -142,27 +142,64 @@ def test_agreement_with_an_inline_teacher(tmp_path):
     assert [h["agreement"] for h in history] == pytest.approx(ag, abs=1e-6)
 
 
+TORTURE = os.environ.get("KDCACHE_TORTURE") == "1"
+
+
 def test_kill_keeps_finished_rows_and_resume_continues_them_with_the_same_lr(tmp_path):
+    """SIGKILL at a random moment after the first row (between a row and its checkpoint too):
+    the finished rows stay whole, and the resumed run's rows equal an uninterrupted run's."""
     common = ["--teacher-mode", "none", "--epochs", 6, "--batch-size", 2, "--lr", 0.02, "--lr-mode", "step",
               "--lr-steps", "2,4", "--warmup-epochs", 1]
     train(tmp_path, *common, "--run", "full")
     full = rows(tmp_path / "runs" / "full")
-    run = tmp_path / "runs" / "cut"
-    p = subprocess.Popen([sys.executable, "-m", "kdcache.trainer", "--quiet", "--runs-dir", str(tmp_path / "runs"),
-                          "--threads", "1", "--student", "mlp", *map(str, common), "--run", "cut"],
-                         env=CHILD_ENV, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and p.poll() is None:
-        if os.path.exists(run / "epochs.csv") and len(rows(run)) >= 2:
-            break
-        time.sleep(0.01)
-    p.send_signal(signal.SIGKILL)
-    p.wait()
-    assert p.returncode == -signal.SIGKILL, "the run ended before it was killed"
-    rows_of = rows(run)
-    assert 2 <= len(rows_of) < 6 and all(r["lr"] for r in rows_of)  # whole rows only
-    train(tmp_path, *common, "--run", "cut", "--resume")
-    after = rows(run)
-    assert [r["epoch"] for r in after] == [str(e) for e in range(1, 7)]  # no row twice, none missing
-    assert [r["lr"] for r in after] == [r["lr"] for r in full]
-    assert [r["top1"] for r in after] == [r["top1"] for r in full]  # the same run, resumed
+    rng = np.random.default_rng(0)
+    killed = 0
+    for i in range(12 if TORTURE else 1):
+        run = tmp_path / "runs" / f"cut{i}"
+        p = subprocess.Popen([sys.executable, "-m", "kdcache.trainer", "--quiet", "--runs-dir", str(tmp_path / "runs"),
+                              "--threads", "1", "--student", "mlp", *map(str, common), "--run", f"cut{i}"],
+                             env=CHILD_ENV, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and p.poll() is None:
+            if os.path.exists(run / "epochs.csv") and len(rows(run)) >= 1:
+                break
+            time.sleep(0.01)
+        time.sleep(0.3 + rng.uniform(0, 2.0) if i else 0.6)  # the first kill: within the second epoch
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        if p.returncode == -signal.SIGKILL:
+            killed += 1
+            before = rows(run)
+            assert 1 <= len(before) <= 6 and all(r["lr"] and r["stall_s"] for r in before)  # whole rows only
+            assert [r["epoch"] for r in before] == [str(e) for e in range(1, len(before) + 1)]
+        train(tmp_path, *common, "--run", f"cut{i}", "--resume")
+        after = rows(run)
+        assert [r["epoch"] for r in after] == [str(e) for e in range(1, 7)]  # no row twice, none missing
+        assert [r["lr"] for r in after] == [r["lr"] for r in full]
+        assert [r["top1"] for r in after] == [r["top1"] for r in full]  # the same run, resumed
+    assert killed >= 1, "every run ended before it was killed"
+
+
+def test_recipe_sweep_quick_writes_its_table(tmp_path):
+    out = tmp_path / "sweep.json"
+    r = subprocess.run([sys.executable, "-m", "bench.recipe_sweep", "--quick", "--out", str(out), "--tmp", str(tmp_path)],
+                       env=CHILD_ENV, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.loads(out.read_text())
+    assert rep["quick"] and len(rep["runs"]) == 2 and len(rep["table"]) == 2
+    assert {(t["optimizer"], t["lr_mode"]) for t in rep["table"]} == {("adam", "constant"), ("sgd", "cosine")}
+    assert all(0.5 < t["test_top1"] <= 1 and 0 < t["best_val_top1"] <= 1 for t in rep["table"])
+    assert "| sgd " in r.stdout and "| adam " in r.stdout
+    bad = subprocess.run([sys.executable, "-m", "bench.recipe_sweep", "--epochs", "0"], env=CHILD_ENV, cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_resume_with_another_optimizer_names_the_one_to_use(tmp_path):
+    train(tmp_path, "--teacher-mode", "none", "--epochs", 1, "--optimizer", "adam", "--lr", 0.01, "--run", "r")
+    r = train(tmp_path, "--teacher-mode", "none", "--epochs", 2, "--run", "r", "--resume", check=False)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("error: --resume: ") and "--optimizer adam" in r.stderr
+    train(tmp_path, "--teacher-mode", "none", "--epochs", 2, "--optimizer", "adam", "--lr", 0.01, "--run", "r",
+          "--resume")
+    assert [r["epoch"] for r in rows(tmp_path / "runs" / "r")] == ["1", "2"]

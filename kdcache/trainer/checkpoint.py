@@ -164,6 +164,11 @@ def load_optimizer_state(run_dir, trainer, record, epoch):
     opt = ups[0].optimizer
     if not isinstance(record, dict) or record.get("format") != FORMAT:
         raise bad("unknown format")
+    if record.get("optimizer") in ("sgd", "nag", "adam") and record["optimizer"] != type(opt).__name__.lower():
+        # a run started before --optimizer's default changed, or with another --optimizer
+        raise TrainError(f"--resume: {run_dir} was trained with --optimizer {record['optimizer']}, not "
+                         f"{type(opt).__name__.lower()}: resume with --optimizer {record['optimizer']} (and its "
+                         f"--lr and --lr-mode)")
     if record.get("optimizer") != type(opt).__name__.lower():
         raise bad(f"it is for optimiser {record.get('optimizer')!r}, this run uses {type(opt).__name__.lower()!r}")
     for k in ("learning_rate", "wd"):

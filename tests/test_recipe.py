@@ -203,3 +203,17 @@ def test_resume_with_another_optimizer_names_the_one_to_use(tmp_path):
     train(tmp_path, "--teacher-mode", "none", "--epochs", 2, "--optimizer", "adam", "--lr", 0.01, "--run", "r",
           "--resume")
     assert [r["epoch"] for r in rows(tmp_path / "runs" / "r")] == ["1", "2"]
+
+
+@pytest.mark.slow
+def test_dist_async_workers_train_on_the_schedule(tmp_path):
+    """dist_async sends the optimiser, its schedule inside, to the server when the kvstore starts
+    (MXNet refused every first step before: the optimiser went without the step's normalisation)."""
+    r = subprocess.run([sys.executable, "-m", "kdcache.trainer.launch", "--workers", "2", "--kvstore", "dist_async",
+                        "--", "--teacher-mode", "none", "--epochs", "2", "--quiet", "--run", "a", "--runs-dir",
+                        str(tmp_path / "runs"), "--student", "mlp", "--lr-mode", "step", "--lr-steps", "1"],
+                       env=CHILD_ENV, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for w in (0, 1):
+        rs = rows(tmp_path / "runs" / "a" / f"worker-{w}")
+        assert [float(x["lr"]) for x in rs] == pytest.approx([0.3, 0.03]) and float(rs[-1]["top1"]) > 0.5

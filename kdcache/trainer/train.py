@@ -298,7 +298,8 @@ def run(args, plan, early, threads, cores):
 
     # the optimiser (the student is built and checked above, before any producer starts)
     spe = steps_per_epoch(n, args.batch_size)
-    lr_schedule = schedule_of(args, spe)  # per update, positioned by the optimiser's update count
+    # per update, positioned by the optimiser's update count; dist_async's server counts every worker's push
+    lr_schedule = schedule_of(args, spe * (workers if args.kvstore == "dist_async" else 1))
     opt_params = {"learning_rate": args.lr, "wd": args.wd, "lr_scheduler": lr_schedule,
                   **({"momentum": args.momentum} if args.optimizer in ("sgd", "nag") else {})}
     trainer = gluon.Trainer(net.collect_params(), args.optimizer, opt_params,
@@ -326,6 +327,10 @@ def run(args, plan, early, threads, cores):
             except Exception:  # not written yet (a producer behind): the column stays empty
                 return None
     if kv is not None and "dist" in kv.type:
+        if args.kvstore == "dist_async":
+            # The optimiser goes to the server when the kvstore starts, below: with the normalisation
+            # every step() passes (one fixed batch), or MXNet refuses the first step as a batch change.
+            trainer._optimizer.rescale_grad = trainer._scale / args.batch_size
         broadcast_initial_parameters(trainer, net)
     loss_fn = KDLoss(args.temperature, args.alpha if mode != "none" else 0.0)
 

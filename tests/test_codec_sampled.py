@@ -166,3 +166,33 @@ def test_the_students_calibration_error():
     assert abs(expected_calibration_error(net, Items(y), [mx.cpu()], batch_size=3) - 0.3) < 1e-6
     y = [0] * 9 + [1]  # right as often as it is confident: 0
     assert expected_calibration_error(net, Items(y), [mx.cpu()]) < 1e-6
+
+
+def test_kdcache_cache_and_verify_teacher_with_sampled(tmp_path):
+    """The producer writes a sampled:8 cache of a real teacher, with 2 views; verify --teacher draws every key
+    again from the teacher's logits and finds the stored rows; a changed count is named."""
+    import json
+    from tests.helpers import gluon_teacher
+    gluon_teacher(str(tmp_path / "teacher"), scale=4.0)
+
+    def kdcache(*argv):
+        return subprocess.run([sys.executable, "-m", "kdcache", *map(str, argv)], capture_output=True, text=True,
+                              env=CHILD_ENV, cwd=tmp_path, timeout=300)
+    r = kdcache("cache", "--teacher", "teacher", "--codec", "sampled:8", "--views", "2", "--seed", "4",
+                "--cache-dir", "caches", "--quiet", "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    path = json.loads(r.stdout.strip().splitlines()[-1])["cache_path"]
+    r = kdcache("verify", path, "--teacher", "teacher", "--sample", "all", "--quiet", "--json")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    t = json.loads(r.stdout)["teacher_check"]
+    assert t["match"] and t["codec"] == "sampled:8" and t["keys_checked"] == 1438 * 2
+    assert "drawn again" in t["tolerance_rule"]
+    from kdcache.cache_builder.verify import compare_rows
+    codec = make_codec("sampled:8", 10, seed=4)
+    fresh = expected_logits(np.arange(30), 10)
+    stored = codec.encode(fresh, keys=np.arange(30))
+    assert compare_rows(stored, fresh, "sampled", "float16", keys=np.arange(30), sampler=codec)[-1].all()
+    stored[schema.SAMPLED_COUNTS][7, 0] += 1
+    stored[schema.SAMPLED_COUNTS][7, 1 if stored[schema.SAMPLED_COUNTS][7, 1] else 0] -= 1
+    ok = compare_rows(stored, fresh, "sampled", "float16", keys=np.arange(30), sampler=codec)[-1]
+    assert ok.tolist() == [i != 7 for i in range(30)]

@@ -197,23 +197,37 @@ def tolerance(fresh, dtype):
 
 RULES = {"float16": "float16 rounding: max|x| * 2^-10 + 1e-3 per key",
          "float32": "float32: max|x| * 1e-4 + 1e-5 per key",
-         "int8": "int8 rounding: the row's scale / 2 + max|x| * 1e-4 + 1e-5 per key"}
+         "int8": "int8 rounding: the row's scale / 2 + max|x| * 1e-4 + 1e-5 per key",
+         "sampled": "sampled:K: the teacher's logits, drawn again with the key's seed, give the stored classes and counts"}
 
 
 def rule(codec, dtype):
     """The tolerance rule of a codec and storage type, as the report names it."""
-    return RULES["int8" if codec == "int8" else dtype]
+    return RULES[codec if codec in ("int8", "sampled") else dtype]
 
 
-def compare_rows(stored, fresh, codec, dtype):
+def compare_rows(stored, fresh, codec, dtype, keys=None, sampler=None):
     """Per key: (largest |stored - teacher|, tolerance, stored top-1, teacher top-1, top-1 agrees up to
-    ties, within tolerance) for stored fields {name: rows} and the teacher's logits [B, C]."""
+    ties, within tolerance) for stored fields {name: rows} and the teacher's logits [B, C]. sampled:K
+    (`sampler`, its codec; `keys`, the rows' flat keys): the draws are keyed, so the teacher's logits drawn
+    again give the stored rows; the difference reported is the largest |estimate - p| (T = 1)."""
     from kdcache.store import schema
     from kdcache.store.codec import log_tail_mass, make_codec
     tol = tolerance(fresh, dtype)
     rows = np.arange(fresh.shape[0])
     best = fresh.max(axis=1)
     tie = tol  # how far below the teacher's best a stored top-1 may be and still agree (ties)
+    if codec == "sampled":
+        again = sampler.encode(fresh, keys=keys)
+        ok = np.ones(len(fresh), dtype=bool)
+        for name, rows_ in again.items():
+            ok &= (np.asarray(stored[name]) == rows_).reshape(len(fresh), -1).all(axis=1)
+        q = sampler.probabilities(stored)
+        p = np.exp(fresh - fresh.max(axis=1, keepdims=True))
+        p /= p.sum(axis=1, keepdims=True)
+        diff = np.where(ok, 0.0, np.abs(q - p).max(axis=1))
+        top = q.argmax(axis=1)
+        return diff, np.full(len(fresh), 0.0), top, fresh.argmax(axis=1), np.ones(len(fresh), dtype=bool), ok
     if codec == "full":
         logits = stored[schema.LOGITS].astype(np.float32)
         diff = np.abs(logits - fresh).max(axis=1)
@@ -277,7 +291,7 @@ def compare(args, f, spec, topt, dataset, augment, seed):
             # for it: such keys count as beyond tolerance (the teacher runs on zeros in their place).
             fin = np.isfinite(x.reshape(len(x), -1)).all(axis=1)
             x = np.where(fin.reshape((-1,) + (1,) * (x.ndim - 1)), x, 0)
-            res = list(compare_rows(stored, teacher.forward(x), codec.name, spec.dtype))
+            res = list(compare_rows(stored, teacher.forward(x), codec.name, spec.dtype, keys=k, sampler=codec))
             res[-1] = res[-1] & fin
             for col, v in zip(cols, res + [fin]):
                 col.append(v)

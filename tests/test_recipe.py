@@ -131,15 +131,19 @@ def test_best_is_chosen_on_a_validation_slice_of_the_training_split_never_traine
     assert history[0]["samples"] == len(train_split) and n0["best_epoch"] is None
 
 
-def test_agreement_with_an_inline_teacher(tmp_path):
+def test_agreement_is_the_same_from_the_cache_and_from_an_inline_teacher(tmp_path):
     from tests.helpers import gluon_teacher
     teacher = str(tmp_path / "t")
     gluon_teacher(teacher)
-    m = train(tmp_path, "--teacher", teacher, "--teacher-mode", "inline", "--epochs", 2, "--run", "r")
-    ag = [float(r["agreement"]) for r in rows(tmp_path / "runs" / "r")]
+    common = ["--teacher", teacher, "--epochs", 2, "--dtype", "float32", "--producer-threads", 1]
+    m = train(tmp_path, *common, "--teacher-mode", "inline", "--run", "inline")
+    ag = [float(r["agreement"]) for r in rows(tmp_path / "runs" / "inline")]
     assert len(ag) == 2 and all(0 < a <= 1 for a in ag)
-    history = json.load(open(tmp_path / "runs" / "r" / "metrics.json"))["history"]
+    history = json.load(open(tmp_path / "runs" / "inline" / "metrics.json"))["history"]
     assert [h["agreement"] for h in history] == pytest.approx(ag, abs=1e-6)
+    assert m["teacher_forwards"] == 2 * (1438 - 144)  # the agreement's forwards are not training's
+    train(tmp_path, *common, "--run", "cached")
+    assert [float(r["agreement"]) for r in rows(tmp_path / "runs" / "cached")] == pytest.approx(ag, abs=1e-9)
 
 
 TORTURE = os.environ.get("KDCACHE_TORTURE") == "1"

@@ -205,7 +205,8 @@ def test_bench_decode_quick(tmp_path):
     proc, report = run_bench("decode", tmp_path)
     assert report["quick"] and report["photos"] == 64
     t = report["teachers"]["mobilenet1.0"]
-    assert all(positive(t[k]) for k in ("teacher_alone", "producer_serial", "producer_workers"))
+    assert all(positive(t[k]) for k in ("teacher_alone", "teacher_beside_decoding", "producer_serial",
+                                        "producer_workers"))
     assert positive(report["decode"]["kdcache_ms"]) and positive(report["peak"]["gflops"])
     assert report["cpu"]["model_name"] and report["cores"] >= 1 and report["load_before"]
     assert table(report).splitlines()[0] in proc.stdout

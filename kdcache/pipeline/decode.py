@@ -64,12 +64,11 @@ class Decoder:
 
     # --- the parent's side ---------------------------------------------------------------
     def _start(self, n):
-        import multiprocessing.connection as mpc  # noqa: F401 (Pipe below)
         from multiprocessing import Pipe
 
         from .children import worker_of
-        parent = os.getpid()
         import mmap
+        parent = os.getpid()
         for _ in range(n):
             fd = os.memfd_create("kdcache-decode")
             try:
@@ -97,7 +96,6 @@ class Decoder:
             task_r.close()
             res_w.close()
             self.workers.append((pid, task_w, res_r, arena))
-        self.sent = 0  # tickets sent to the workers: slot = ticket mod SLOTS
 
     def submit(self, indices, views):
         """Ask for the images of keys (indices, views); returns the ticket take() wants."""

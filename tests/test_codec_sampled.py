@@ -29,6 +29,8 @@ def test_fields_bytes_and_spec():
     assert make_codec("sampled:300", 10).bytes_per_row == 300 * 4
     with pytest.raises(Exception, match="sampled:16"):
         make_codec("sampled:x", 10)
+    with pytest.raises(Exception, match="float32 does not apply"):  # the same bytes under a second name
+        make_codec("sampled:4", 10, dtype="float32")
 
 
 def test_the_estimate_is_unbiased():
@@ -98,7 +100,7 @@ def test_damaged_rows_are_named():
 def test_a_rebuild_is_identical_whatever_the_order_or_sharding(tmp_path):
     """Two caches of the same inputs, one written by one producer in one shuffled order, one by three
     shards in other orders and batch sizes, hold the same bytes; a cache with another seed differs."""
-    spec = make_spec(num_samples=300, num_classes=50, views=2, codec="sampled:12")
+    spec = make_spec(num_samples=300, num_classes=50, views=2, codec="sampled:12", dtype="float16")
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     assert produce(a, spec, seed=1, batch=64)
     done = [produce(b, spec, shard=(i, 3), seed=10 + i, batch=7 + i) for i in range(3)]
@@ -106,7 +108,7 @@ def test_a_rebuild_is_identical_whatever_the_order_or_sharding(tmp_path):
     with h5py.File(final_path(a), "r") as fa, h5py.File(final_path(b), "r") as fb:
         for name, _, _ in spec.make_codec().fields:
             assert np.array_equal(fa[name][...], fb[name][...])
-    other = CacheSpec(num_samples=300, num_classes=50, views=2, codec="sampled:12", dtype="float32",
+    other = CacheSpec(num_samples=300, num_classes=50, views=2, codec="sampled:12", dtype="float16",
                       inputs={**spec.inputs, "augment_seed": 5})
     assert other.draw_seed == 5 and spec.draw_seed == 0 and other.fingerprint != spec.fingerprint
     c = str(tmp_path / "c")
@@ -121,12 +123,18 @@ def test_a_rebuild_is_identical_whatever_the_order_or_sharding(tmp_path):
     assert np.allclose(softmax(got).sum(axis=1), 1.0)
 
 
-def test_the_command_line_takes_the_codec():
+def test_the_command_line_takes_the_codec(tmp_path):
     from kdcache.pipeline.options import Codec
+    from tests.helpers import gluon_teacher
+    gluon_teacher(str(tmp_path / "teacher"))
     assert Codec()("SAMPLED:16") == "sampled:16"
     proc = subprocess.run([sys.executable, "-m", "kdcache.cache_builder", "--codec", "sampled:0"], cwd=ROOT,
                           env=CHILD_ENV, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and "sampled:K" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "kdcache.cache_builder", "--codec", "sampled:4", "--dtype", "float32",
+                           "--teacher", str(tmp_path / "teacher")], cwd=ROOT, env=CHILD_ENV, capture_output=True, text=True, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "argument --dtype" in lines[0], proc.stderr
 
 
 def test_kdcache_convert_encodes_it_from_full_logits(tmp_path):

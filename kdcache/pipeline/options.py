@@ -240,6 +240,9 @@ def check_applies(args, parser):
     if args.codec == "int8" and args.dtype != "float16":
         parser.error(f"argument --dtype: codec int8 stores 8-bit codes (with a float32 offset and scale per row) "
                      f"whatever the dtype; drop --dtype {args.dtype}, or use --codec full --dtype {args.dtype}")
+    if str(args.codec).startswith("sampled:") and args.dtype != "float16":
+        parser.error(f"argument --dtype: codec {args.codec} stores classes and counts whatever the dtype; drop "
+                     f"--dtype {args.dtype}, or use --codec full --dtype {args.dtype}")
 
 
 def check_views(args, parser):

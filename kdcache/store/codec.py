@@ -242,6 +242,10 @@ class SampledCodec:
         self.k = int(k)
         if not 1 <= self.k <= 65535:
             raise StoreError(f"codec sampled:{k} needs 1 <= K <= 65535 draws: pick K in that range")
+        if np.dtype(dtype) != np.float16:  # float32 would name a second cache of the same bytes (as int8)
+            raise StoreError(f"codec sampled:{k} stores class indices "
+                             f"and counts whatever the dtype: dtype {np.dtype(dtype).name} does not apply to it; "
+                             f"leave the dtype at its default (float16), or use codec full with that dtype")
         self.dtype = np.dtype(dtype)  # recorded in the metadata; the rows are class indices and counts
         self.seed = int(seed) & _MASK64
         self.index_dtype = np.dtype(np.uint16 if self.num_classes <= 65536 else np.int32)

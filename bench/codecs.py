@@ -4,7 +4,8 @@
 
 For each data set (digits, mnist5k, and a synthetic 1000-class case) the teacher fills one cache
 per codec (`python -m kdcache.cache_builder`, offline): full float32 (the teacher's exact logits), full
-float16, topk:1, topk:5, topk:10 (only where K < C) and int8. Each cache is read back through
+float16, topk:1, topk:5, topk:10 (only where K < C), int8, and sampled:9 and sampled:16 beside the
+topk:5 and topk:10 of equal bytes per row (only where those run). Each cache is read back through
 the store and compared with the exact logits: bytes per row, mean T^2 * KL(teacher || rebuilt)
 at T = 1, 4 and 20 (for top-K beside the ideal top-K with an even tail made from the exact
 logits, and their ratio), top-1 agreement. Then the same student (`python -m kdcache.trainer`, mlp128,
@@ -58,9 +59,12 @@ DATASETS = {"digits": ("digits", "digits", 30, 5), "mnist5k": ("mnist5k", "mnist
 VIEWS = {"mnist5k": (8, "crop:2")}
 # Seeds by default: mnist5k's floors compare students 0.3 points apart, about the seed-to-seed spread, so it runs more.
 SEEDS = {"mnist5k": 10}
-# label, --codec, --dtype; topk:K only where K < C
+# label, --codec, --dtype; topk:K only where K < C; sampled:K beside the topk:K' of (about) equal bytes per row,
+# where that one is: sampled:9 27 B vs topk:5 28 B, sampled:16 48 B vs topk:10 48 B (3K vs 4K' + 8)
 CODECS = [("full/float32", "full", "float32"), ("full/float16", "full", "float16"), ("topk:1", "topk:1", "float16"),
-          ("topk:5", "topk:5", "float16"), ("topk:10", "topk:10", "float16"), ("int8", "int8", "float16")]
+          ("topk:5", "topk:5", "float16"), ("sampled:9", "sampled:9", "float16"), ("topk:10", "topk:10", "float16"),
+          ("sampled:16", "sampled:16", "float16"), ("int8", "int8", "float16")]
+SAMPLED_BESIDE = {"sampled:9": "topk:5", "sampled:16": "topk:10"}
 EXACT = "full/float32"
 STUDENT = {"student": "mlp128", "lr": 1e-2, "batch_size": 64, "temperature": 20.0, "alpha": 0.5}
 HINTON = "mnist5k"  # the data set of the Hinton-style table (inline KD runs there only)
@@ -102,7 +106,10 @@ OPTIONS = [
 
 
 def codecs_for(classes):
-    return [c for c in CODECS if not c[1].startswith("topk:") or int(c[1].split(":")[1]) < classes]
+    def kept(label):
+        label = SAMPLED_BESIDE.get(label, label)
+        return not label.startswith("topk:") or int(label.split(":")[1]) < classes
+    return [c for c in CODECS if kept(c[0])]
 
 
 def run_all(kids, jobs, tasks):
@@ -228,7 +235,9 @@ def distances(name, fills):
 def summary(results):
     accs = [m["test_acc"] for m in results]
     s = spread(accs)
+    ece = spread([m.get("test_ece") for m in results])  # the students' calibration (15 bins)
     return {"accs": accs, "mean": s["mean"], "std": s["std"], "min": s["min"], "max": s["max"],
+            "eces": [m.get("test_ece") for m in results], "ece_mean": ece["mean"],
             "teacher_forwards": sum(m["teacher_forwards"] for m in results),
             "wall_s": [round(m["_wall_s"], 1) for m in results]}
 

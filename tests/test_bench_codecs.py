@@ -4,8 +4,8 @@ import pytest
 from tests.helpers import run_bench
 from tests.test_bench_sizing import REPORT_MISTAKES, assert_refused
 
-ROWS = {10: ["full/float32", "full/float16", "topk:1", "topk:5", "int8"],  # topk:10 only where K < C
-        1000: ["full/float32", "full/float16", "topk:1", "topk:5", "topk:10", "int8"]}
+ROWS = {10: ["full/float32", "full/float16", "topk:1", "topk:5", "sampled:9", "int8"],  # topk:10 only where K < C
+        1000: ["full/float32", "full/float16", "topk:1", "topk:5", "sampled:9", "topk:10", "sampled:16", "int8"]}
 
 
 @pytest.mark.slow
@@ -24,9 +24,13 @@ def test_bench_codecs_quick_writes_every_row_and_verdict(tmp_path):
             codec = label.split("/")[0]
             c = d["classes"]
             want = {"full/float32": 4 * c, "full/float16": 2 * c, "int8": c + 8}.get(label)
-            assert row["bytes_per_row"] == (want if want else 4 * int(codec.split(":")[1]) + 8), (name, label)
+            k = int(codec.split(":")[1]) if ":" in codec else None
+            want = want or (3 * k if codec.startswith("sampled:") else 4 * k + 8)  # sampled: uint16 class, uint8 count
+            assert row["bytes_per_row"] == want, (name, label)
             assert set(row["kl"]) == {"1", "4", "20"} and all(v >= 0 for v in row["kl"].values())
-            assert 0.9 <= row["top1_agreement"] <= 1.0
+            # a few draws from a spread posterior (synthetic's teacher is right 64% of the time) may miss its top
+            assert (0.3 if codec.startswith("sampled:") else 0.9) <= row["top1_agreement"] <= 1.0
+            assert row["student"]["ece_mean"] is not None and 0 <= row["student"]["ece_mean"] <= 1
             assert len(row["student"]["accs"]) == 1 and 0 < row["student"]["mean"] <= 1
             # one fill per codec (per seed with several views: the augmentation is keyed by the seed)
             assert row["teacher_forwards"] == d["n_train"] * d["views"] * (len(d["seeds"]) if d["views"] > 1 else 1)

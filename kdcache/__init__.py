@@ -7,6 +7,7 @@ The public API (imported on first use: `import kdcache` loads neither MXNet, h5p
     cache_path(teacher, dataset, ...) -> path    the path that cache has, before it exists
     load_dataset(name, *, data_root, split, ...)  a data set as `kdcache cache --dataset` loads it
     CacheReader(path)                  the teacher's logits by (sample index, view); no MXNet
+    EnsembleReader(caches, rule=)      several teachers' caches combined per key, read as one CacheReader
     SoftTargetDataset(dataset, cache)  Gluon: items (image, label, teacher logits)
     KDLoss(temperature, alpha)         Gluon: the KD loss of (student logits, teacher logits, label)
     SoftTargetIter(dataset, reader)    Module API: batches with `softmax_label` and `soft_label`
@@ -23,7 +24,7 @@ __version__ = "0.2.0"
 _PUBLIC = {
     "build_cache": "kdcache.api", "cache_path": "kdcache.api", "load_dataset": "kdcache.api",
     "BuildError": "kdcache.api",
-    "CacheReader": "kdcache.store",
+    "CacheReader": "kdcache.store", "EnsembleReader": "kdcache.store",
     "SoftTargetDataset": "kdcache.trainer.softdata",
     "KDLoss": "kdcache.trainer.loss",
     "SoftTargetIter": "kdcache.trainer.dataiter", "kd_symbol": "kdcache.trainer.dataiter",

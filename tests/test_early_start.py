@@ -91,13 +91,14 @@ def _args(teacher, tmp_path, *extra):
 def test_the_producer_starts_before_the_plan_and_fills_the_cache_the_plan_names(teacher, tmp_path, monkeypatch):
     import kdcache.pipeline.datasets
     from kdcache import pipeline
-    from kdcache.trainer.targets import make_plan, spawn_early
+    from kdcache.trainer.plan import make_plan
+    from kdcache.trainer.producer import Targets
 
     def no_data(*a, **k):
         raise AssertionError("the data set was loaded before the producer started")
     args = _args(teacher, tmp_path)
     monkeypatch.setattr(pipeline.datasets, "load_dataset", no_data)
-    early = spawn_early(args, str(tmp_path / "runs" / "r"), 1, 2)
+    early = Targets.start(args, str(tmp_path / "runs" / "r"), 1, 2)
     monkeypatch.undo()
     try:
         assert early.held and early.producer.poll() is None
@@ -110,10 +111,10 @@ def test_the_producer_starts_before_the_plan_and_fills_the_cache_the_plan_names(
 
 
 def test_a_held_producer_the_plan_does_not_need_is_ended_at_once(teacher, tmp_path):
-    from kdcache.trainer.targets import EarlyStart, spawn_early
+    from kdcache.trainer.producer import Targets
     args = _args(teacher, tmp_path)
     for plan in (types.SimpleNamespace(complete=True, base=str(tmp_path / "c" / "x")), None):
-        early = spawn_early(args, str(tmp_path / "runs" / "r"), 1, 2)
+        early = Targets.start(args, str(tmp_path / "runs" / "r"), 1, 2)
         proc = early.producer
         t = time.monotonic()
         if plan is not None:
@@ -123,13 +124,14 @@ def test_a_held_producer_the_plan_does_not_need_is_ended_at_once(teacher, tmp_pa
         assert proc.poll() is not None and time.monotonic() - t < 5
         assert early.producer is None or early.producer.poll() is not None
         assert not glob.glob(str(tmp_path / "c" / "*"))
-    assert spawn_early(args, str(tmp_path / "runs" / "r"), 1, 1) == EarlyStart()  # one core: nothing to overlap
+    assert Targets.start(args, str(tmp_path / "runs" / "r"), 1, 1) == Targets()  # one core: nothing to overlap
 
 
 def test_a_ring_producer_that_exits_before_attaching_is_named_at_once(tmp_path):
     from kdcache.pipeline.schedule import schedule
     from kdcache.store.ring import RingReader, RingWriter
-    from kdcache.trainer.targets import TrainError, ring_targets
+    from kdcache.trainer.errors import TrainError
+    from kdcache.trainer.producer import ring_targets
     st = next(schedule(0, 1, 8, 4, 1))
     name = f"kdcache-ring-test-{os.getpid()}"
     log = tmp_path / "producer.log"
@@ -157,7 +159,7 @@ def test_the_reader_opens_as_soon_as_a_live_producer_creates_the_cache(tmp_path)
     import threading
     from kdcache.store import CacheWriter, path_for
     from tests.helpers import make_spec
-    from kdcache.trainer.train import open_reader
+    from kdcache.trainer.producer import open_reader
     spec = make_spec(num_samples=64)
     base = path_for(str(tmp_path), spec.fingerprint)
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])

@@ -304,11 +304,12 @@ def test_the_producer_starts_before_the_trainer_imports_mxnet(teacher, tmp_path,
     code = f"""
 import glob, os, sys, time
 from kdcache.trainer.options import parse_args
-from kdcache.trainer.targets import make_plan, start_early
+from kdcache.trainer.plan import make_plan
+from kdcache.trainer.producer import Targets
 args = parse_args(["--teacher", {teacher!r}, "--store", {store!r}, "--run", "early",
                    "--runs-dir", {str(tmp_path / "runs")!r}, "--cache-dir", {str(tmp_path / "c")!r}])
 args.run_name = args.run
-early = start_early(args, make_plan(args), os.path.join(args.runs_dir, args.run_name), 1, 2)
+early = Targets.start_settled(args, make_plan(args), os.path.join(args.runs_dir, args.run_name), 1, 2)
 assert "mxnet" not in sys.modules, "MXNet was imported before the producer started"
 assert early is not None and early.producer is not None and early.producer.poll() is None
 assert (early.ring is not None) == ({store!r} == "ring") and args.run_name == "early"

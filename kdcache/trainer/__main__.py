@@ -80,13 +80,15 @@ def train_main(argv=None, prog="python -m kdcache.trainer"):
     from kdcache.pipeline.checkpoint import TeacherError
     from kdcache.pipeline.datasets import DatasetError
     from kdcache.store import StoreError
-    from kdcache.trainer.targets import MXNET_DATASETS, TrainError, make_plan, spawn_early, split_threads
-    early = None
+    from kdcache.trainer.errors import TrainError
+    from kdcache.trainer.plan import MXNET_DATASETS, make_plan
+    from kdcache.trainer.producer import Targets, split_threads
+    targets = None
     try:
         # The producer starts first, before this process loads its data or imports MXNet: its own
         # start-up (MXNet, data, teacher) overlaps ours. Into a cache it waits for the plan to name it.
         signals.check()  # a stop during the start so far: before any process is started
-        early = spawn_early(args, run_dir, split_threads(args, cores, None), cores)
+        targets = Targets.start(args, run_dir, split_threads(args, cores, None), cores)
         # The data, the teacher's identity and the cache's fingerprint, once; for data sets MXNet
         # decodes, after the threads are fixed.
         from kdcache.pipeline.pieces import is_piece  # a user's MODULE may import MXNet: after the threads too
@@ -102,9 +104,9 @@ def train_main(argv=None, prog="python -m kdcache.trainer"):
             resolve_ctx(args.ctx)
         plan = plan or make_plan(args)
         signals.check()  # before a held producer is sent on
-        early.settle(args, plan)
+        targets.settle(args, plan)
         from kdcache.trainer.train import run
-        m, run_dir = run(args, plan, early, threads, cores)
+        m, run_dir = run(args, plan, targets, threads, cores)
     except (TrainError, StoreError, DatasetError, TeacherError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -114,8 +116,8 @@ def train_main(argv=None, prog="python -m kdcache.trainer"):
               f"--resume --run {args.run_name}", file=sys.stderr)
         return exit_status(e)
     finally:
-        if early is not None:
-            early.close()
+        if targets is not None:
+            targets.close()
     print(f"\nrun {m['run']} finished:\n{summary(m)}\nmetrics: {os.path.join(run_dir, 'metrics.json')}")
     if args.json:
         print(json.dumps({k: v for k, v in m.items() if k != "history"}))

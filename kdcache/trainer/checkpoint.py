@@ -17,7 +17,7 @@ import os
 
 import mxnet as mx
 
-from kdcache.trainer.targets import TrainError
+from kdcache.trainer.errors import TrainError
 
 log = logging.getLogger("kdcache.trainer")
 

@@ -27,7 +27,8 @@ from kdcache import signals
 from kdcache.args import Allowed, Int, Option, Parser, add_options, fail
 from kdcache.pipeline.children import before_exec
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The folder that holds the kdcache package: a checkout that is not installed finds it through this.
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def free_port(host="127.0.0.1"):

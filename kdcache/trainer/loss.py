@@ -13,9 +13,10 @@ import numpy as np
 from mxnet import gluon
 
 from kdcache.store.schema import name_keys
+from kdcache.trainer.errors import TrainError
 
 
-class NonFiniteError(ValueError):
+class NonFiniteError(TrainError, ValueError):
     """Teacher targets or a loss hold NaN or Inf; the message names the keys and the likely cause."""
 
 

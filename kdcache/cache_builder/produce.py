@@ -17,6 +17,7 @@ from kdcache.pipeline.augment import make_views
 from kdcache.pipeline.checkpoint import TeacherError
 from kdcache.pipeline.decode import PREFETCH, Decoder
 from kdcache.pipeline.teacher import NonFiniteOutputError
+from kdcache.cache_builder.errors import ProducerError
 from kdcache.pipeline.interrupts import Interrupts
 from kdcache.pipeline.schedule import schedule, steps_per_epoch
 from kdcache.store import registry
@@ -26,7 +27,7 @@ from kdcache.store.schema import name_keys
 log = logging.getLogger("kdcache.producer")
 
 
-class NonFiniteInputError(ValueError):
+class NonFiniteInputError(ProducerError):
     """A batch's input images hold NaN or Inf: the data set or the augmentation made them."""
 
 

@@ -15,6 +15,7 @@ import time
 import numpy as np
 
 from kdcache.args import Allowed, Int, Option, Parser, add_options, fail
+from kdcache.cache_builder.errors import ProducerError
 from kdcache.pipeline.options import SHARED_BY_DEST
 
 DESCRIPTION = """\
@@ -59,7 +60,7 @@ VERIFY = [
 ]
 
 
-class Refused(Exception):
+class Refused(ProducerError):
     """The check cannot run as asked (exit 2); the message names the cause and the fix."""
 
 

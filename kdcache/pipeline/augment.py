@@ -11,6 +11,8 @@ import re
 
 import numpy as np
 
+from kdcache.pipeline.errors import PipelineError
+
 _M64 = (1 << 64) - 1
 
 
@@ -394,7 +396,7 @@ def key_rng(seed, index, view):
     return np.random.default_rng(int(key_hash(seed, [int(index)], [int(view)], 2)[0]))
 
 
-class AugmentError(ValueError):
+class AugmentError(PipelineError):
     """A user's augmentation misbehaved; the message names it."""
 
 

@@ -8,10 +8,11 @@ import glob
 import os
 import re
 
+from kdcache.pipeline.errors import PipelineError
 from kdcache.store import file_digest
 
 
-class TeacherError(ValueError):
+class TeacherError(PipelineError):
     """The teacher cannot be used; the message names the cause and the fix."""
 
 

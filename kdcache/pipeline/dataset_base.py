@@ -7,6 +7,8 @@ import hashlib
 
 import numpy as np
 
+from kdcache.pipeline.errors import PipelineError
+
 
 class Dataset:
     """gluon.data.Dataset's protocol (__getitem__ -> (x, label), __len__), so gluon's DataLoader
@@ -20,7 +22,7 @@ class Dataset:
         raise NotImplementedError
 
 
-class DatasetError(ValueError):
+class DatasetError(PipelineError):
     """A data set cannot be loaded; the message names the cause and the fix."""
 
 

@@ -1,0 +1,5 @@
+"""The producer's errors: one base class, ProducerError, printed as one line (exit 2)."""
+
+
+class ProducerError(ValueError):
+    """The producer cannot go on as asked; the message names the cause and the fix."""

@@ -190,6 +190,7 @@ def test_bench_ensemble_quick(tmp_path):
     """make bench-ensemble QUICK=1: three mnist5k teachers alone and together, a student from each, the
     ensemble built with 0 teacher forwards, its tables printed."""
     from tests.helpers import run_bench
+    (tmp_path / "results").mkdir()
     proc, rep = run_bench("ensemble", tmp_path, timeout=900)
     assert rep["quick"] is True and rep["settings"]["seeds"] == [0] and rep["settings"]["rule"] == "probs"
     assert set(rep["teachers"]) == {"cnn-s0", "cnn-s1", "small-s2"}

@@ -11,7 +11,8 @@ around it stays as written:
     <!-- end: bench.kd -->
 
 A benchmark's block is its run line (date, run time, machine, the other processes' load) and the tables
-its module's render(report) returns, a pure function of its JSON report, the same its main prints.
+its module's render(report) returns, a pure function of its JSON report, the same its main prints (a module
+whose report gathers several runs may also give runs_line(report), the line that dates them).
 To add a benchmark: give its module render(report) -> [(title, markdown table)], add one line to
 BENCHMARKS below, and put the two marker lines where its tables go in docs/benchmarks.md.
 """
@@ -40,6 +41,8 @@ BENCHMARKS = {
     "bench.sizing": ("bench.sizing", "sizing.json"),
     "bench.decode": ("bench.decode", "decode.json"),
     "bench.recipe": ("bench.recipe_sweep", "recipe_sweep.json"),
+    "bench.ensemble": ("bench.ensemble", "ensemble.json"),
+    "bench.codecs_sampled": ("bench.codecs_sampled", "codecs_sampled.json"),
 }
 
 # block name -> (module, the list of kdcache.args.Option it declares): each command's options with their help
@@ -88,8 +91,10 @@ def benchmark_block(name, results):
                         f"(or make bench) first") from None
     except (OSError, ValueError) as e:
         raise DocsError(f"{name}: its report {path} cannot be read ({e}): run python -m {module} again") from None
-    tables = importlib.import_module(module).render(report)
-    return run_line(report, other_cores(report)) + "\n\n" + rendered(tables)
+    mod = importlib.import_module(module)
+    # a report gathered from several runs dates them itself: its module's runs_line(report), if it has one
+    line = mod.runs_line(report) if hasattr(mod, "runs_line") else run_line(report, other_cores(report))
+    return line + "\n\n" + rendered(mod.render(report))
 
 
 def options_table(options):

@@ -8,7 +8,7 @@ import sys
 
 from hypothesis import given, settings, strategies as st
 
-from bench.docs import blocks_of, options_table
+from bench.docs import blocks_of, options_table, registry
 from kdcache.args import Int, Option
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,8 +41,10 @@ def test_the_manual_has_the_benchmarks_and_options_blocks():
     names = {name for f in os.listdir(DOCS) if f.endswith(".md")
              for name, *_ in blocks_of(f, open(os.path.join(DOCS, f), encoding="utf-8").read())}
     assert {"bench.kd", "bench.demand", "bench.store", "bench.read_scale", "bench.producer", "bench.codecs",
-            "bench.distill", "options.shared", "options.producer", "options.trainer", "options.teacher",
+            "bench.distill", "bench.sizing", "bench.decode", "bench.recipe", "bench.ensemble",
+            "bench.codecs_sampled", "options.shared", "options.producer", "options.trainer", "options.teacher",
             "options.launcher"} <= names
+    assert names == set(registry())  # every block bench.docs can make is in the manual: no table is typed by hand
 
 
 def test_a_table_edited_by_hand_is_named_and_regenerated(tmp_path):

@@ -121,6 +121,18 @@ def test_any_option_is_one_row_of_five_cells(decls):
 
 
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)[^)]*\)")
+NAV = "[kdcache](../README.md) · manual:"
+
+
+def test_every_page_carries_the_same_navigation_line_linking_every_page():
+    pages = sorted(f for f in os.listdir(DOCS) if f.endswith(".md"))
+    third = {f: open(os.path.join(DOCS, f), encoding="utf-8").read().split("\n")[2:3] for f in pages}
+    lacking = [f for f, line in third.items() if not line or not line[0].startswith(NAV)]
+    assert not lacking, f"line 3 is not the navigation line in: {', '.join(lacking)}"
+    assert len({line[0] for line in third.values()}) == 1, "the navigation lines differ:\n" + "\n".join(
+        f"{f}: {line[0]}" for f, line in third.items())
+    linked = set(LINK.findall(third[pages[0]][0]))
+    assert set(pages) - linked == set(), f"the navigation line does not link {sorted(set(pages) - linked)}"
 
 
 def test_every_relative_link_leads_to_a_file():

@@ -200,4 +200,4 @@ def test_bench_ensemble_quick(tmp_path):
         [t["cache_fingerprint"] for t in rep["teachers"].values()]
     assert set(rep["students"]) == {"scratch", "cnn-s0", "cnn-s1", "small-s2", "ensemble"}
     assert all(len(s["accs"]) == 1 and 0 < s["mean"] <= 1 for s in rep["students"].values())
-    assert "| ensemble (probs, equal weights) |" in proc.stdout and "paired by seed" in proc.stdout
+    assert "| ensemble (probs, equal weights) |" in proc.stdout and "paired by seed" in proc.stdout.lower()

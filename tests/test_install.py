@@ -1,4 +1,5 @@
 """kdcache as a user gets it: installed with pip, its examples run from a directory outside the clone."""
+import glob
 import json
 import os
 import re
@@ -76,12 +77,24 @@ def test_pip_install_into_a_fresh_environment(tmp_path):
                           str(src), "numpy==1.23.5"], capture_output=True, text=True, timeout=1800)
     assert pip.returncode == 0, pip.stderr[-3000:]
     env = clean_env(str(venv / "bin"))
-    where = subprocess.run([str(venv / "bin" / "python"), "-c", "import kdcache, store, pipeline, trainer, "
-                            "cache_builder, store.ring, numpy; print(store.__file__, numpy.__version__)"],
+    where = subprocess.run([str(venv / "bin" / "python"), "-c", "import kdcache.store, kdcache.pipeline, "
+                            "kdcache.trainer, kdcache.cache_builder, kdcache.store.ring, numpy; "
+                            "print(kdcache.store.__file__, numpy.__version__)"],
                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert where.returncode == 0, where.stderr
     path, numpy_version = where.stdout.split()
     assert path.startswith(str(venv)) and numpy_version == "1.23.5"
+    # one name at the top of site-packages: kdcache's own records list only it, and no other of its
+    # packages is importable by a bare name
+    records = glob.glob(str(venv / "lib" / "python*" / "site-packages" / "kdcache-*.dist-info" / "RECORD"))
+    assert len(records) == 1
+    top = {line.split(",")[0].split("/")[0] for line in open(records[0]) if line.strip()}
+    assert {t for t in top if not t.endswith(".dist-info") and t != ".." and not t.startswith("__editable")} \
+        == {"kdcache"}, top
+    bare = subprocess.run([str(venv / "bin" / "python"), "-c", "import importlib.util as u; print([n for n in "
+                           "('store', 'pipeline', 'trainer', 'cache_builder', 'bench') if u.find_spec(n)])"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert bare.stdout.strip() == "[]", bare.stdout + bare.stderr
     helped = subprocess.run(["kdcache", "--help"], cwd=tmp_path, env=env, capture_output=True, text=True)
     for cmd in ("teacher", "cache", "train", "launch", "ls", "inspect", "verify", "gc"):
         assert re.search(rf"^  {cmd} ", helped.stdout, re.M), cmd

@@ -263,7 +263,7 @@ def test_hdf5_file_without_kdcache_metadata(cache_dir):
 
 
 def test_missing_cache_names_the_fix(cache_dir):
-    with pytest.raises(CacheNotFoundError, match="cache_builder"):
+    with pytest.raises(CacheNotFoundError, match="build it with `kdcache cache`"):
         CacheReader(os.path.join(cache_dir, "0123456789abcdef0123"))
 
 

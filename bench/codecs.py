@@ -41,8 +41,8 @@ import shutil  # noqa: E402
 import time  # noqa: E402
 
 from bench.cli import RUN, like, out_option, parse_args, quick_option, tmp_option, trainer_option  # noqa: E402
-from bench.common import (BenchError, Children, cpu_between, cpu_snapshot, machine, make_log,  # noqa: E402
-                          python_m, scratch_dir, spread, utc_now, write_report)
+from bench.common import (command_line, cpu_between, cpu_snapshot, machine, make_log, python_m,  # noqa: E402
+                          run_in_scratch, spread, utc_now, write_report)
 from kdcache.args import Allowed, Int, Option, Path, fail  # noqa: E402
 
 DEFAULT_OUT = os.path.join("bench", "results", "codecs.json")
@@ -338,21 +338,12 @@ def main(argv=None):
          "temperature": STUDENT["temperature"] if args.temperature is None else args.temperature,
          "alpha": STUDENT["alpha"] if args.alpha is None else args.alpha}
     t_start, snap = time.perf_counter(), cpu_snapshot()
-    work = scratch_dir(args.tmp, "kdcache-codecs-")
-    kids = Children()
-    try:
-        report = run(kids, args, p, work)
-    except BenchError as e:
-        print(f"error: {e}", file=sys.stderr)
+    report = run_in_scratch(args, "kdcache-codecs-", run, p)
+    if report is None:
         return 2
-    finally:
-        kids.stop_all()
-        if not args.tmp:
-            shutil.rmtree(work, ignore_errors=True)
     report.update(runtime_s=round(time.perf_counter() - t_start, 1), cpu=cpu_between(snap, cpu_snapshot()),
                   quick=bool(args.quick), machine=machine(mxnet=True, omp_num_threads=1), date=utc_now(),
-                  command="python -m bench.codecs" + (" " + " ".join(argv if argv is not None else sys.argv[1:])
-                                                      if (argv if argv is not None else sys.argv[1:]) else ""))
+                  command=command_line("python -m bench.codecs", argv))
     report["floors"] = floors(report)
     report["hinton"] = hinton(report)
     print_report(report)

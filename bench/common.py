@@ -4,6 +4,7 @@ import json
 import os
 import platform
 import resource
+import shutil
 import signal
 import statistics
 import subprocess
@@ -400,6 +401,28 @@ def scratch_dir(tmp, prefix):
     if tmp:
         os.makedirs(tmp, exist_ok=True)
     return os.path.abspath(tempfile.mkdtemp(prefix=prefix, dir=tmp))
+
+
+def run_in_scratch(args, prefix, run, *params):
+    """run(kids, args, *params, work) in a scratch folder (args.tmp, else a temporary one removed after),
+    every child process stopped whatever happens; a BenchError is printed as one line and gives None."""
+    work = scratch_dir(args.tmp, prefix)
+    kids = Children()
+    try:
+        return run(kids, args, *params, work)
+    except BenchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return None
+    finally:
+        kids.stop_all()
+        if not args.tmp:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def command_line(prog, argv):
+    """The command a report was made by: prog and its arguments (sys.argv's when argv is None)."""
+    rest = list(sys.argv[1:] if argv is None else argv)
+    return " ".join([prog, *map(str, rest)])
 
 
 def utc_now():

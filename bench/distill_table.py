@@ -34,11 +34,10 @@ from bench.common import limit_threads  # noqa: E402
 limit_threads(os.environ)  # before anything loads MXNet or BLAS: one compute thread here, as in every child
 
 import json  # noqa: E402
-import shutil  # noqa: E402
 import time  # noqa: E402
 
-from bench.common import (BenchError, Children, heading, machine, make_log, md_table, python_m,  # noqa: E402
-    rendered, scratch_dir, spread, utc_now, write_report)
+from bench.common import (heading, machine, make_log, md_table, python_m, rendered,  # noqa: E402
+    run_in_scratch, spread, utc_now, write_report)
 from bench.cli import RUN, like, out_option, parse_args, quick_option, tmp_option, trainer_option  # noqa: E402
 from kdcache.args import Int, Option  # noqa: E402
 from kdcache.pipeline.options import resolve_teacher  # noqa: E402
@@ -169,17 +168,9 @@ def main(argv=None):
         if getattr(args, k) is not None:
             p[k] = getattr(args, k)
     t_start = time.perf_counter()
-    work = scratch_dir(args.tmp, "kdcache-distill-")
-    kids = Children()
-    try:
-        report = run(kids, args, p, work)
-    except BenchError as e:
-        print(f"error: {e}", file=sys.stderr)
+    report = run_in_scratch(args, "kdcache-distill-", run, p)
+    if report is None:
         return 2
-    finally:
-        kids.stop_all()
-        if not args.tmp:
-            shutil.rmtree(work, ignore_errors=True)
     report["runtime_s"] = round(time.perf_counter() - t_start, 1)
 
     n_test = report["n_test"]

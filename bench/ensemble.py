@@ -26,12 +26,11 @@ from bench.common import limit_threads  # noqa: E402
 
 limit_threads(os.environ)  # before anything loads MXNet or BLAS: one compute thread here, as in every child
 
-import shutil  # noqa: E402
 import time  # noqa: E402
 
 from bench.cli import RUN, like, out_option, parse_args, quick_option, tmp_option, trainer_option  # noqa: E402
-from bench.common import (BenchError, Children, cpu_between, cpu_snapshot, for_the_manual, heading,  # noqa: E402
-                          machine, machine_line, make_log, md_table, python_m, scratch_dir, spread, utc_now,
+from bench.common import (command_line, cpu_between, cpu_snapshot, for_the_manual, heading,  # noqa: E402
+                          machine, machine_line, make_log, md_table, python_m, run_in_scratch, spread, utc_now,
                           write_report)
 from kdcache.args import Int, Option  # noqa: E402
 
@@ -232,21 +231,12 @@ def main(argv=None):
          "alpha": STUDENT["alpha"] if args.alpha is None else args.alpha,
          "epochs": QUICK_STUDENT_EPOCHS if args.quick else STUDENT["epochs"]}
     t_start, snap = time.perf_counter(), cpu_snapshot()
-    work = scratch_dir(args.tmp, "kdcache-ensemble-")
-    kids = Children()
-    try:
-        report = run(kids, args, p, work)
-    except BenchError as e:
-        print(f"error: {e}", file=sys.stderr)
+    report = run_in_scratch(args, "kdcache-ensemble-", run, p)
+    if report is None:
         return 2
-    finally:
-        kids.stop_all()
-        if not args.tmp:
-            shutil.rmtree(work, ignore_errors=True)
     report.update(runtime_s=round(time.perf_counter() - t_start, 1), cpu=cpu_between(snap, cpu_snapshot()),
                   quick=bool(args.quick), machine=machine(mxnet=True, omp_num_threads=1), date=utc_now(),
-                  command="python -m bench.ensemble" + (" " + " ".join(argv if argv is not None else sys.argv[1:])
-                                                        if (argv if argv is not None else sys.argv[1:]) else ""))
+                  command=command_line("python -m bench.ensemble", argv))
     print_report(report)
     write_report(args.out, report)
     print(f"Report: {args.out}")

@@ -72,3 +72,35 @@ def check_child(parser, args, needs):
         if dest not in needs[args.child] and given:
             readers = " and ".join(c for c, dests in needs.items() if dest in dests)
             parser.error(f"argument {flag}: only {readers} reads it, not {args.child}; drop it")
+
+
+def bench_main(argv, *, name, description, options, run, show, params=None, default_out=None, threads=1):
+    """The one main routine of every benchmark (`python -m bench.NAME`).
+
+    Parses `options` (each checked as it is parsed; a mistake is one line and exit status 2), turns them
+    into the run's parameters (params(parser, args) -> p, given to run; {} without it), runs
+    run(kids, args, p, work) in a scratch folder (--tmp, else a temporary one removed after) with every
+    child process stopped whatever happens, stamps the report it returns (run time, CPU use of the machine,
+    quick or full, the machine and its MXNet, the date, the command line: what the report already holds is
+    kept), prints it with show(report), writes it to --out and names the file. Returns the exit status:
+    0, or 2 when a step failed (its BenchError printed as one line)."""
+    import time
+    from bench.common import (command_line, cpu_between, cpu_snapshot, machine, run_in_scratch, utc_now,
+                              write_report)
+    ap, args = parse_args(f"python -m bench.{name}", description, options, argv, default_out=default_out)
+    p = params(ap, args) if params else {}
+    t_start, snap = time.perf_counter(), cpu_snapshot()
+    report = run_in_scratch(args, f"kdcache-{name.replace('_', '-')}-", run, p)
+    if report is None:
+        return 2
+    stamp = {"runtime_s": round(time.perf_counter() - t_start, 1), "cpu": cpu_between(snap, cpu_snapshot()),
+             "quick": bool(getattr(args, "quick", False)), "date": utc_now(),
+             "machine": machine(mxnet=True, omp_num_threads=threads),
+             "command": command_line(f"python -m bench.{name}", argv)}
+    for k, v in stamp.items():
+        report.setdefault(k, v)
+    show(report)
+    if getattr(args, "out", None):
+        write_report(args.out, report)
+        print(f"Report: {args.out}")
+    return 0

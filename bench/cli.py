@@ -83,7 +83,7 @@ def bench_main(argv, *, name, description, options, run, show, params=None, defa
     child process stopped whatever happens, stamps the report it returns (run time, CPU use of the machine,
     quick or full, the machine and its MXNet, the date, the command line: what the report already holds is
     kept), prints it with show(report), writes it to --out and names the file. Returns the exit status:
-    0, or 2 when a step failed (its BenchError printed as one line)."""
+    show's (None: 0), or 2 when a step failed (its BenchError printed as one line) and nothing is written."""
     import time
     from bench.common import (command_line, cpu_between, cpu_snapshot, machine, run_in_scratch, utc_now,
                               write_report)
@@ -99,8 +99,8 @@ def bench_main(argv, *, name, description, options, run, show, params=None, defa
              "command": command_line(f"python -m bench.{name}", argv)}
     for k, v in stamp.items():
         report.setdefault(k, v)
-    show(report)
+    status = show(report)
     if getattr(args, "out", None):
         write_report(args.out, report)
         print(f"Report: {args.out}")
-    return 0
+    return status or 0

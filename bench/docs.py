@@ -31,13 +31,13 @@ from kdcache.args import Dir, Option, Parser, add_options  # noqa: E402
 
 # block name -> (the module whose render(report) makes its tables, its JSON report in the results folder)
 BENCHMARKS = {
-    "bench.kd": ("bench.kd", "kd.json"),
+    "bench.kd": ("bench.kd.run", "kd.json"),
     "bench.demand": ("bench.demand", "demand.json"),
     "bench.store": ("bench.store", "store.json"),
     "bench.read_scale": ("bench.read_scale", "read_scale.json"),
     "bench.producer": ("bench.producer", "producer.json"),
     "bench.codecs": ("bench.codecs_report", "codecs.json"),
-    "bench.distill": ("bench.distill_table", "distill.json"),
+    "bench.distill": ("bench.distill.run", "distill.json"),
     "bench.sizing": ("bench.sizing", "sizing.json"),
     "bench.decode": ("bench.decode", "decode.json"),
     "bench.recipe": ("bench.recipe_sweep", "recipe_sweep.json"),

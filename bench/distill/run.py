@@ -1,44 +1,14 @@
-"""Does KD help? The digits teacher, a student from scratch, the same student distilled inline and from the cache.
-
-    PYTHONPATH=. python -m bench.distill_table [--seeds 5] [--quick] [--out bench/results/distill.json]
-
-The evidence table the README quotes, in the manner of Hinton et al. 2015 (MNIST: teacher 67
-errors, student from scratch 146, distilled student 74). It trains the teacher
-(`python -m kdcache.trainer.make_teacher`, or reuses `--teacher PREFIX`), then for each seed 0..N-1
-trains the student three times with the same budget (epochs, learning rate, batch size, seed:
-the same initialisation and the same schedule):
-
-  scratch   --teacher-mode none: hard labels only
-  inline    --teacher-mode inline: the teacher runs inside the loop (GluonCV's way)
-  cache     --teacher-mode cache: soft targets from the cache; the first run's producer fills
-            it, every later run (every other seed: with one view the fingerprint does not
-            depend on the seed) reads it and runs the teacher zero times
-
-and prints a markdown table: test accuracy mean +- std over the seeds, test errors, min-max.
-With a float32 cache, cache and inline give the student the same logits in the same order, so
-they must train the same student: the report says per seed whether they did (test accuracy and
-the largest difference of any final weight).
-
-Every MXNet process is a child with one compute thread (OMP_NUM_THREADS=1, --threads 1,
---producer-threads 1): accuracies, not speeds, are measured here, and they do not depend on
-other load on the machine. Full run ~4 min on one core, --quick (2 seeds, fewer epochs) ~1 min.
-"""
+"""Does KD help on digits? The benchmark's run, its report and its tables (python -m bench.distill)."""
 import os
-import sys
 
-if __package__ in (None, ""):  # run as a file: import the repository's packages
-    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-from bench.common import limit_threads  # noqa: E402
+from bench.common import limit_threads
 
 limit_threads(os.environ)  # before anything loads MXNet or BLAS: one compute thread here, as in every child
 
 import json  # noqa: E402
-import time  # noqa: E402
 
-from bench.common import (heading, machine, make_log, md_table, python_m, rendered,  # noqa: E402
-    run_in_scratch, spread, utc_now, write_report)
-from bench.cli import RUN, like, out_option, parse_args, quick_option, tmp_option, trainer_option  # noqa: E402
+from bench.common import heading, machine, make_log, md_table, python_m, rendered, spread, utc_now  # noqa: E402
+from bench.cli import RUN, like, out_option, quick_option, tmp_option, trainer_option  # noqa: E402
 from kdcache.args import Int, Option  # noqa: E402
 from kdcache.pipeline.options import resolve_teacher  # noqa: E402
 from kdcache.trainer import make_teacher  # noqa: E402
@@ -155,9 +125,8 @@ def render(report):
             ("Per seed:", seed_table(report["per_seed"], report["n_test"]))]
 
 
-def main(argv=None):
-    ap, args = parse_args("python -m bench.distill_table", __doc__.split("\n\n")[0], OPTIONS, argv,
-                          default_out=DEFAULT_OUT)
+def params(ap, args):
+    """The run's settings: --quick's or the full run's, with each option given in their place."""
     if args.teacher is not None:
         if args.teacher_epochs is not None:
             ap.error("argument --teacher-epochs: it sizes the teacher trained here, and --teacher reuses one; drop "
@@ -167,15 +136,13 @@ def main(argv=None):
     for k in ("seeds", "student", "epochs", "lr", "batch_size", "temperature", "alpha", "teacher_epochs"):
         if getattr(args, k) is not None:
             p[k] = getattr(args, k)
-    t_start = time.perf_counter()
-    report = run_in_scratch(args, "kdcache-distill-", run, p)
-    if report is None:
-        return 2
-    report["runtime_s"] = round(time.perf_counter() - t_start, 1)
+    return p
 
+
+def show(report):
     n_test = report["n_test"]
     s = report["settings"]
-    print(heading("Distillation on digits", args.quick, report["runtime_s"]))
+    print(heading("Distillation on digits", report["quick"], report["runtime_s"]))
     t = report["teacher"]
     print(f"Teacher {t.get('arch', os.path.basename(t['prefix']))} ({t.get('epochs', '?')} epochs), "
           f"student {s['student']}; "
@@ -191,10 +158,6 @@ def main(argv=None):
           f"(one fill for every seed: {report['cache_fills']} fingerprint(s)), inline "
           f"{report['teacher_forwards']['inline']} (= {s['epochs']} epochs x {report['n_train']} samples x "
           f"{len(s['seeds'])} seeds).")
-
-    write_report(args.out, report)
-    print(f"Report: {args.out}")
-    return 0
 
 
 def run(kids, args, p, work):
@@ -258,6 +221,3 @@ def run(kids, args, p, work):
         "date": utc_now(),
     }
 
-
-if __name__ == "__main__":
-    sys.exit(main())

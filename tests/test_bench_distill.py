@@ -16,7 +16,7 @@ def test_distill_table_quick_writes_report(tmp_path):
     out = tmp_path / "results" / "distill.json"
     out.parent.mkdir()  # --out: a file in a folder that exists
     env = dict(os.environ, PYTHONPATH=ROOT)
-    proc = subprocess.run([sys.executable, "-m", "bench.distill_table", "--quick", "--out", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "bench.distill", "--quick", "--out", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
 
@@ -57,4 +57,4 @@ def test_distill_table_quick_writes_report(tmp_path):
     ("--teacher", "--teacher {tmp}/none --tmp {tmp}/scratch"),
     ("--teacher-epochs", "--teacher teachers/digits --teacher-epochs 3 --tmp {tmp}/scratch"), *REPORT_MISTAKES])
 def test_distill_table_bad_options(tmp_path, flag, argv):
-    assert_refused(tmp_path, "distill_table", flag, argv)
+    assert_refused(tmp_path, "distill", flag, argv)

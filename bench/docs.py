@@ -32,7 +32,7 @@ from kdcache.args import Dir, Option, Parser, add_options  # noqa: E402
 # block name -> (the module whose render(report) makes its tables, its JSON report in the results folder)
 BENCHMARKS = {
     "bench.kd": ("bench.kd.run", "kd.json"),
-    "bench.demand": ("bench.demand", "demand.json"),
+    "bench.demand": ("bench.demand.run", "demand.json"),
     "bench.store": ("bench.store", "store.json"),
     "bench.read_scale": ("bench.read_scale", "read_scale.json"),
     "bench.producer": ("bench.producer", "producer.json"),
@@ -40,7 +40,7 @@ BENCHMARKS = {
     "bench.distill": ("bench.distill.run", "distill.json"),
     "bench.sizing": ("bench.sizing", "sizing.json"),
     "bench.decode": ("bench.decode", "decode.json"),
-    "bench.recipe": ("bench.recipe_sweep", "recipe_sweep.json"),
+    "bench.recipe": ("bench.recipe.run", "recipe_sweep.json"),
     "bench.ensemble": ("bench.ensemble", "ensemble.json"),
     "bench.codecs_sampled": ("bench.codecs_sampled", "codecs_sampled.json"),
 }

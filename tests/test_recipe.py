@@ -186,7 +186,7 @@ def test_kill_keeps_finished_rows_and_resume_continues_them_with_the_same_lr(tmp
 
 def test_recipe_sweep_quick_writes_its_table(tmp_path):
     out = tmp_path / "sweep.json"
-    r = subprocess.run([sys.executable, "-m", "bench.recipe_sweep", "--quick", "--out", str(out), "--tmp", str(tmp_path)],
+    r = subprocess.run([sys.executable, "-m", "bench.recipe", "--quick", "--out", str(out), "--tmp", str(tmp_path)],
                        env=CHILD_ENV, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     rep = json.loads(out.read_text())
@@ -194,7 +194,7 @@ def test_recipe_sweep_quick_writes_its_table(tmp_path):
     assert {(t["optimizer"], t["lr_mode"]) for t in rep["table"]} == {("adam", "constant"), ("sgd", "cosine")}
     assert all(0.5 < t["test_top1"] <= 1 and 0 < t["best_val_top1"] <= 1 for t in rep["table"])
     assert "| sgd " in r.stdout and "| adam " in r.stdout
-    bad = subprocess.run([sys.executable, "-m", "bench.recipe_sweep", "--epochs", "0"], env=CHILD_ENV, cwd=ROOT,
+    bad = subprocess.run([sys.executable, "-m", "bench.recipe", "--epochs", "0"], env=CHILD_ENV, cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
 

@@ -1,22 +1,13 @@
-"""python -m bench.recipe_sweep: the student recipe's defaults measured: optimiser x schedule x rate, on real digits.
-
-Every run is `python -m kdcache.trainer --teacher-mode none` (hard labels: the recipe, not the
-teacher, is measured) on one thread; the table gives the final test top-1 (mean and spread over
-seeds) and the validation top-1 of the best epoch. --quick: digits, one student, two recipes,
-two epochs (the test runs it).
-"""
+"""The recipe sweep's runs, its report and its table (python -m bench.recipe)."""
 import os
 import statistics
-import sys
-import tempfile
-import time
 
-from bench.cli import out_option, parse_args, quick_option, tmp_option
-from bench.common import (ROOT, BenchError, child_env, last_json, machine, make_log, md_table, python_m, rendered,
-                          utc_now, write_report)
+from bench.cli import out_option, quick_option, tmp_option
+from bench.common import ROOT, make_log, md_table, python_m, rendered
 from kdcache.args import Int, Option
 
-log = make_log("recipe_sweep")
+log = make_log("recipe")
+DEFAULT_OUT = os.path.join(ROOT, "bench", "results", "recipe_sweep.json")
 
 # (optimizer, lr-mode, warm-up epochs, rates): Adam at a fixed rate is the old default; SGD with
 # momentum 0.9 and a cosine or step schedule is the literature's (GluonCV, the distillation papers).
@@ -34,18 +25,14 @@ OPTIONS = [quick_option("digits, mlp, two recipes, two epochs, one seed: seconds
            out_option("bench/results/recipe_sweep.json")]
 
 
-def run_one(tmp, dataset, student, optimizer, mode, warmup, lr, seed, epochs):
+def run_one(kids, tmp, dataset, student, optimizer, mode, warmup, lr, seed, epochs):
     name = f"{student}-{optimizer}-{mode}-w{warmup}-{lr:g}-s{seed}"
-    import subprocess
     argv = python_m("kdcache.trainer", "--quiet", "--json", "--teacher-mode", "none", "--dataset", dataset,
                     "--student", student, "--optimizer", optimizer, "--lr-mode", mode, "--lr", repr(lr),
                     "--warmup-epochs", warmup,
                     "--epochs", epochs, "--seed", seed, "--threads", 1, "--run", name,
                     "--runs-dir", os.path.join(tmp, "runs"), "--cache-dir", os.path.join(tmp, "caches"))
-    r = subprocess.run(argv, env=child_env(1), cwd=ROOT, capture_output=True, text=True, timeout=3600)
-    if r.returncode != 0:
-        raise BenchError(f"{name}: the trainer failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
-    m = last_json(r.stdout, name)
+    m = kids.run(argv, name, timeout=3600)
     return {"student": student, "optimizer": optimizer, "lr_mode": mode, "warmup_epochs": warmup, "lr": lr, "seed": seed,
             "test_top1": m["test_acc"], "best_val_top1": m.get("best_val_top1"), "best_epoch": m.get("best_epoch"),
             "wall_s": m["wall_s"]}
@@ -77,35 +64,25 @@ def render(report):
                            for r in report["table"]]))]
 
 
-def main(argv=None):
-    p, args = parse_args("python -m bench.recipe_sweep", __doc__.split("\n\n")[0], OPTIONS, argv,
-                         default_out=os.path.join(ROOT, "bench", "results", "recipe_sweep.json"))
+def params(ap, args):
     plan = dict(QUICK if args.quick else FULL)
     plan["epochs"] = args.epochs or plan["epochs"]
-    t0 = time.perf_counter()
+    return plan
+
+
+def run(kids, args, plan, work):
     runs = []
-    with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
-        try:
-            for student in plan["students"]:
-                for optimizer, mode, warmup, rates in plan["recipes"]:
-                    for lr in rates:
-                        for seed in plan["seeds"]:
-                            runs.append(run_one(tmp, plan["dataset"], student, optimizer, mode, warmup, lr, seed,
-                                                plan["epochs"]))
-                            log(f"{runs[-1]}")
-        except BenchError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-    rows = table(runs)
-    report = {"benchmark": "recipe_sweep", "date": utc_now(), "quick": args.quick, "machine": machine(mxnet=True),
-              "dataset": plan["dataset"], "epochs": plan["epochs"], "teacher_mode": "none", "threads": 1,
-              "batch_size": 64, "momentum": 0.9, "wd": 1e-4, "val_fraction": 0.1,
-              "runtime_s": round(time.perf_counter() - t0, 1), "table": rows, "runs": runs}
-    write_report(args.out, report)
+    for student in plan["students"]:
+        for optimizer, mode, warmup, rates in plan["recipes"]:
+            for lr in rates:
+                for seed in plan["seeds"]:
+                    runs.append(run_one(kids, work, plan["dataset"], student, optimizer, mode, warmup, lr, seed,
+                                        plan["epochs"]))
+                    log(f"{runs[-1]}")
+    return {"benchmark": "recipe_sweep", "quick": args.quick, "dataset": plan["dataset"], "epochs": plan["epochs"],
+            "teacher_mode": "none", "threads": 1, "batch_size": 64, "momentum": 0.9, "wd": 1e-4, "val_fraction": 0.1,
+            "table": table(runs), "runs": runs}
+
+
+def show(report):
     print(rendered(render(report)))
-    print(f"report: {args.out}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,40 +1,18 @@
-"""What the checksums of a finished cache cost: compaction, open, warm and cold gathers, verify, with and without.
-
-    PYTHONPATH=. python -m bench.checksums [--quick] [--out bench/results/checksums.json] [--tmp DIR]
-
-Two caches of the same rows (full float16, 1000 classes; 100,000 rows, --quick 20,000), one with
-checksums (what compaction writes now) and one without (what it wrote before), side by side:
-
-1. compaction: seconds with and without, and zlib.crc32's speed over the rows in memory
-2. open: the mapped reader as it is (each chunk checked the first time a batch touches it) vs checking
-   every chunk at open
-3. gathers of 256 random rows, page cache warm: the first epoch (every chunk checked on the way) and the
-   next one (nothing left to check), against the cache without checksums and numpy on a float16 array
-                                                floor: checked >= 0.5 x numpy (both float32), as bench.read_scale
-4. the first epoch after the file's pages were dropped (fsync + POSIX_FADV_DONTNEED, no root needed)
-5. `kdcache verify`: seconds with and without
-Per-file costs are extrapolated linearly to ImageNet-1k's 1,281,167 rows (a 2.56 GB file), the rates
-are per row. Everything written under --tmp is removed at the end.
-"""
+"""What the checksums of a finished cache cost: the run, its report and its tables (python -m bench.checksums)."""
 import os
 import sys
 
-if __package__ in (None, ""):  # run as a file: import the repo's packages, not this directory's
-    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-from bench.common import limit_threads  # noqa: E402
+from bench.common import limit_threads
 
 limit_threads(os.environ, force=False)  # before numpy loads: one BLAS/OpenMP thread
 
-import shutil  # noqa: E402
 import time  # noqa: E402
 import zlib  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from bench.cli import RUN, out_option, parse_args, quick_option, tmp_option  # noqa: E402
-from bench.common import (floors_line, heading, machine, machine_line, md_table, rate, scratch_dir,  # noqa: E402
-    section, utc_now, verdict, write_report)
+from bench.cli import RUN, out_option, quick_option, tmp_option  # noqa: E402
+from bench.common import floors_line, heading, machine, machine_line, md_table, rate, section, verdict  # noqa: E402
 from bench.read_scale_sections import evict, read_through  # noqa: E402
 from kdcache.args import Int, Option  # noqa: E402
 from kdcache.store import CacheReader, CacheSpec, CacheWriter, path_for  # noqa: E402
@@ -48,7 +26,8 @@ FLOORS = {"checked_vs_numpy_gather": (">=", 0.5)}
 OPTIONS = [
     quick_option("20,000 rows instead of 100,000: a few seconds"),
     out_option(DEFAULT_OUT),
-    tmp_option("directory for the two caches (default: the system temp dir); removed at the end"),
+    tmp_option("work directory for the two caches (default: a new temporary directory, removed at the end; a "
+               "directory given here is kept)"),
     Option("--rows", "samples in each cache (default 100,000; --quick 20,000)", type=Int(1000), metavar="N",
            group=RUN),
     Option("--classes", "logits per row (default 1000)", type=Int(3), default=1000, metavar="C", group=RUN),
@@ -94,7 +73,7 @@ def best(f, repeats=3):
     return min(f() for _ in range(repeats))
 
 
-def run(args, n, c, root):
+def measure(args, n, c, root):
     rng = np.random.default_rng(args.seed)
     pool = rng.normal(0, 4, size=(4096, c)).astype(np.float32)
     out, rows = {}, []
@@ -229,30 +208,22 @@ def render(report):
     return [(title, table) for title, table, _ in tables(report, report["rows"])]
 
 
-def main(argv=None, prog="python -m bench.checksums"):
-    p, args = parse_args(prog, __doc__.split("\n\n")[0], OPTIONS, argv, default_out=DEFAULT_OUT)
-    n = args.rows or (20_000 if args.quick else 100_000)
-    t_start = time.perf_counter()
-    root = scratch_dir(args.tmp, "kdcache-checksums-")
-    try:
-        res = run(args, n, args.classes, root)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    runtime = time.perf_counter() - t_start
+def params(ap, args):
+    return {"rows": args.rows or (20_000 if args.quick else 100_000), "classes": args.classes}
+
+
+def run(kids, args, p, work):
+    n = p["rows"]
+    res = measure(args, n, p["classes"], work)
     verdicts = {k: verdict(res[k], v, op == ">=") for k, (op, v) in FLOORS.items()}
-    m = machine()
-    report = {**res, "rows": n, "classes": args.classes, "imagenet_rows": IMAGENET, "extrapolation": IMAGENET / n,
-              "floors": {k: {"op": op, "value": v} for k, (op, v) in FLOORS.items()}, "verdicts": verdicts,
-              "machine": m, "date": utc_now(), "quick": bool(args.quick), "seed": args.seed, "runtime_s": runtime}
-    print(heading("kdcache: what checksums cost", args.quick, runtime))
-    print(machine_line(m) + "\n")
-    for title, table, note in tables(res, n):
+    return {**res, "rows": n, "classes": p["classes"], "imagenet_rows": IMAGENET, "extrapolation": IMAGENET / n,
+            "floors": {k: {"op": op, "value": v} for k, (op, v) in FLOORS.items()}, "verdicts": verdicts,
+            "machine": machine(), "quick": bool(args.quick), "seed": args.seed}
+
+
+def show(report):
+    print(heading("kdcache: what checksums cost", report["quick"], report["runtime_s"]))
+    print(machine_line(report["machine"]) + "\n")
+    for title, table, note in tables(report, report["rows"]):
         print(section(title, table, note))
-    print(floors_line([k for k, v in verdicts.items() if v != "PASS"]))
-    write_report(args.out, report)
-    print(f"Report: {args.out}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    print(floors_line([k for k, v in report["verdicts"].items() if v != "PASS"]))

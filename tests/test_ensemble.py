@@ -201,3 +201,68 @@ def test_bench_ensemble_quick(tmp_path):
     assert set(rep["students"]) == {"scratch", "cnn-s0", "cnn-s1", "small-s2", "ensemble"}
     assert all(len(s["accs"]) == 1 and 0 < s["mean"] <= 1 for s in rep["students"].values())
     assert "| ensemble (probs, equal weights) |" in proc.stdout and "paired by seed" in proc.stdout.lower()
+
+
+def _bench_ensemble(*args):
+    return subprocess.run([sys.executable, "-m", "bench.ensemble", *args], cwd=ROOT, env=CHILD_ENV,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_bench_ensemble_without_fashion_mnist_files_says_how_to_install_them(tmp_path):
+    """--dataset fashion-mnist with no IDX files where it looks: one line naming the Debian package, exit 2,
+    before anything runs or is written."""
+    out = tmp_path / "report.json"
+    r = _bench_ensemble("--dataset", "fashion-mnist", "--data-root", str(tmp_path / "none"), "--out", str(out))
+    said = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(said) == 1, r.stderr
+    assert "apt-get install dataset-fashion-mnist" in said[0] and str(tmp_path / "none") in said[0]
+    assert not out.exists() and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("args, word", [(["--data-root", "/tmp"], "only --dataset fashion-mnist"),
+                                        (["--dataset", "cifar10"], "use one of mnist5k, fashion-mnist")])
+def test_bench_ensemble_refuses_a_data_root_mnist5k_ignores_and_other_data_sets(args, word):
+    r = _bench_ensemble(*args)
+    said = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(said) == 1 and word in said[0], r.stderr
+
+
+def _write_idx(path, array):
+    """An IDX file of unsigned bytes, gzipped, as the Debian package dataset-fashion-mnist ships them."""
+    import gzip
+    import struct
+    with gzip.open(path, "wb") as fh:
+        fh.write(bytes([0, 0, 8, array.ndim]) + struct.pack(f">{array.ndim}I", *array.shape))
+        fh.write(np.ascontiguousarray(array, dtype=np.uint8).tobytes())
+
+
+def fake_fashion_mnist(root, n_train=400, n_test=200):
+    """A tiny Fashion-MNIST folder: 28x28 images whose bright 4x4 patch's place is the class, plus noise."""
+    rng = np.random.default_rng(0)
+    root.mkdir()
+    for pre, n in (("train", n_train), ("t10k", n_test)):
+        y = rng.integers(0, 10, n)
+        x = rng.integers(0, 60, (n, 28, 28))
+        for i, c in enumerate(y):
+            r, col = 4 + 8 * (c // 4), 2 + 6 * (c % 4)
+            x[i, r:r + 4, col:col + 4] = 255
+        _write_idx(root / f"{pre}-images-idx3-ubyte.gz", x)
+        _write_idx(root / f"{pre}-labels-idx1-ubyte.gz", y)
+
+
+@pytest.mark.slow
+def test_bench_ensemble_quick_on_fashion_mnist_files(tmp_path):
+    """--dataset fashion-mnist reads the IDX files under --data-root (a tiny set here): every teacher, cache and
+    student runs on them, and the report names the data set, under the teachers' and students' tables."""
+    from tests.helpers import run_bench
+    (tmp_path / "results").mkdir()
+    fake_fashion_mnist(tmp_path / "fashion")
+    proc, rep = run_bench("ensemble", tmp_path, "--dataset", "fashion-mnist", "--data-root", tmp_path / "fashion",
+                          timeout=600)
+    assert rep["settings"]["dataset"] == "fashion-mnist" and rep["settings"]["teacher_epochs"] == 2
+    assert all(0 < t["test_acc"] <= 1 and t["cache_teacher_forwards"] == 400 for t in rep["teachers"].values())
+    assert [t["arch"] for t in rep["teachers"].values()] == ["mnist_teacher", "mnist_teacher", "mlp800x2"]
+    assert rep["ensemble"]["teacher_forwards_to_build"] == 0
+    assert set(rep["students"]) == {"scratch", "cnn-s0", "cnn-s1", "mlp-s2", "ensemble"}
+    assert all(len(s["accs"]) == 1 and 0 < s["mean"] <= 1 for s in rep["students"].values())
+    assert "Teachers and their ensemble (fashion-mnist test split)" in proc.stdout

@@ -61,9 +61,9 @@ def test_bench_kd_quick_writes_report_and_plot(tmp_path):
     assert png.exists() and png.stat().st_size > 10_000
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
-    # One table per pair plus calibration and floors on stdout; every temporary file removed.
+    # One table per pair plus calibration and floors on stdout; the run's files kept in one folder of --tmp.
     assert "## light teacher" in proc.stdout and "## heavy teacher" in proc.stdout and "## Floors" in proc.stdout
-    assert os.listdir(tmp_path / "scratch") == []
+    assert [d.startswith("kdcache-kd-") for d in os.listdir(tmp_path / "scratch")] == [True]
 
 
 SIZES = '{"reps":3,"tries":1,"epoch_s":1.5,"min_steps":6,"max_steps":40}'  # bench.kd --quick's
@@ -74,12 +74,12 @@ SIZES = '{"reps":3,"tries":1,"epoch_s":1.5,"min_steps":6,"max_steps":40}'  # ben
     ("kd", "--png", "--quick --png {tmp}/dir --tmp {tmp}/scratch"),
     ("kd", "--png", "--quick --png {tmp}/missing/p.png --tmp {tmp}/scratch"),
     # the MXNet child: each option checked as the trainer's are, and the options each child needs
-    ("kd_children", "--root", "prepare --sizes " + SIZES), ("kd_children", "--root", "prepare --root {tmp}/file"),
-    ("kd_children", "--sizes", "prepare --root {tmp}/dir --sizes " + SIZES.replace('"reps":3', '"reps":0')),
-    ("kd_children", "--sizes", "prepare --root {tmp}/dir --sizes " + SIZES.replace("1.5", "NaN")),
-    ("kd_children", "--teacher", "async --teacher {tmp}/none --dataset digits"),
-    ("kd_children", "--epochs", "async --teacher {tmp}/none --dataset digits --epochs 0"),
-    ("kd_children", "--ctx", "async --teacher {tmp}/none --dataset digits --ctx tpu"),
-    ("kd_children", "--root", "async --root {tmp}/dir --teacher {tmp}/none --dataset digits")])
+    ("kd.children", "--root", "prepare --sizes " + SIZES), ("kd.children", "--root", "prepare --root {tmp}/file"),
+    ("kd.children", "--sizes", "prepare --root {tmp}/dir --sizes " + SIZES.replace('"reps":3', '"reps":0')),
+    ("kd.children", "--sizes", "prepare --root {tmp}/dir --sizes " + SIZES.replace("1.5", "NaN")),
+    ("kd.children", "--teacher", "async --teacher {tmp}/none --dataset digits"),
+    ("kd.children", "--epochs", "async --teacher {tmp}/none --dataset digits --epochs 0"),
+    ("kd.children", "--ctx", "async --teacher {tmp}/none --dataset digits --ctx tpu"),
+    ("kd.children", "--root", "async --root {tmp}/dir --teacher {tmp}/none --dataset digits")])
 def test_bench_kd_bad_options(tmp_path, module, flag, argv):
     assert_refused(tmp_path, module, flag, argv)

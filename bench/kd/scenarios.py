@@ -115,7 +115,7 @@ def run_pair(pair, prep, epochs, root, kids, ctx=None, scenarios=ORDER, round_=0
         ep = 1 if sc in ONE_EPOCH else epochs
         if sc.startswith("inline_async"):
             workers = 2 if sc == "inline_async_2w" else None
-            argv = python_m("bench.kd_children", "async", "--teacher", teacher, "--dataset", dataset, "--epochs", ep,
+            argv = python_m("bench.kd.children", "async", "--teacher", teacher, "--dataset", dataset, "--epochs", ep,
                             "--batch-size", BATCH, "--student", STUDENT, "--ctx", ctx or "cpu")
             e = child_env(THREADS, **({"MXNET_CPU_WORKER_NTHREADS": workers} if workers else {}))
             res = kids.run(argv, f"{tag} {sc}", env=e, log_dir=logs, cwd=base, rss=RSS)

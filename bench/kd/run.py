@@ -1,64 +1,14 @@
-"""KD end to end: the student alone, inline KD, inline on MXNet's async engine, and kdcache (online, warm, ring).
-
-    PYTHONPATH=. python -m bench.kd [--quick] [--out bench/results/kd.json] [--tmp DIR]
-
-This process never imports MXNet; every MXNet process is a child with OMP_NUM_THREADS=1 (the
-only knob that limits MXNet's compute threads, fixed before `import mxnet`). On this CPU-only
-machine two devices are emulated by two cores: where the teacher and the student run apart
-(kdcache's producer and trainer) each gets one core (`--threads 1 --producer-threads 1`);
-where they run together (inline) they share the student's one core, as on one GPU.
-
-Data: `synthetic` 3x32x32, 10 classes, sized from the measured student step so that one student
-epoch takes about 10 s (--quick: 1.5 s); 2 epochs (--quick: 1). Student: `small_cnn`. Two
-teachers, exported here (explicit prefix, fixed seed): a VGG-style CNN whose width (a multiple
-of 8) and depth are calibrated so that its forward of a batch takes about 1/3 (light) or 2x
-(heavy) the student's training step on the same batch, both on one thread; the measured ratios
-are printed.
-
-Scenarios, for each pair, each with a fresh cache directory where one is used:
-  student_only   python -m kdcache.trainer --teacher-mode none: the limit any KD method can reach
-  inline         --teacher-mode inline: teacher forward then student step, batch by batch
-  inline_async   a loop of this benchmark (same data, schedule, student, KDLoss) that issues the teacher's
-                 forward of the next batch before the student's step and never waits for it:
-                 MXNet's asynchronous engine may overlap them. One engine worker (the default):
-                 the student's one core, like `inline`.
-  inline_async_2w  the same with MXNET_CPU_WORKER_NTHREADS=2: the engine may run the teacher
-                 and the student at once on two cores (the core budget of online/ring); informative,
-                 one epoch, not in --quick
-  online         --teacher-mode cache on a cold cache: the trainer starts the producer
-  warm           a second experiment on the cache `online` completed: no teacher at all
-  ring           --store ring: streamed through shared memory, nothing persisted
-Floors use two more measurements of each pair: "teacher alone" (the producer's offline loop,
-cache_builder.produce.produce_offline, as `python -m kdcache.cache_builder --threads 1` runs it in a process
-of its own, filling the train split into a fresh cache: rows/s of the loop -> seconds per epoch; the
-median of 3 passes, --quick 1) and "student alone" (student_only's epoch 1). Epochs vary by several
-per cent from run to run here, so student_only, online and ring run twice more (one epoch each,
-round robin; not in --quick) and the epoch-1 floors compare medians of 3 runs; every run is reported.
-
-Each trainer and producer is watched by a /proc poller (every 0.2 s: VmHWM of the trainer and
-of its children), and the CPU time the other processes of the machine used meanwhile is recorded
-(/proc/stat), so a report taken on a shared machine says how shared it was.
-
-This module is the command (sizes, floors, report); bench.kd_scenarios runs the scenarios,
-bench.kd_children is the MXNet processes (calibration, the test-split caches, the inline_async loop).
-"""
+"""The KD benchmark's command: its sizes and options, the run (calibration, scenarios, floors) and what it prints."""
+import json
 import os
-import sys
+import statistics
 
-if __package__ in (None, ""):  # run as a file: import the repo's packages, not this directory's
-    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-import json  # noqa: E402
-import shutil  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-
-from bench.common import (ROOT, Children, busy_warning, child_env, floors_line, heading, machine,  # noqa: E402
-    machine_line, md_table, python_m, for_the_manual, scratch_dir, spread, utc_now, verdict, write_report)
-from bench.cli import OUTPUT, RUN, out_option, parse_args, quick_option, tmp_option  # noqa: E402
-from bench.kd_scenarios import (BATCH, ORDER, REQUIRED, RSS, SEED, STUDENT, TARGETS, THREADS, log,  # noqa: E402
-                                plot_online, repeat_epoch1, result_rows, rounded, run_pair, teacher_alone)
-from kdcache.args import Option, OutFile  # noqa: E402
+from bench.common import (ROOT, busy_warning, child_env, floors_line, heading, machine_line, md_table, python_m,
+                          for_the_manual, spread, verdict)
+from bench.cli import OUTPUT, out_option, quick_option, tmp_option
+from bench.kd.scenarios import (BATCH, ORDER, REQUIRED, RSS, SEED, STUDENT, TARGETS, THREADS, log, plot_online,
+                                repeat_epoch1, result_rows, rounded, run_pair, teacher_alone)
+from kdcache.args import Option, OutFile
 
 DEFAULT_OUT = os.path.join("bench", "results", "kd.json")
 PNG_NAME = "kd_online.png"
@@ -72,9 +22,8 @@ OPTIONS = [
     quick_option("a data set of a few seconds per epoch (figures noisier)"),
     out_option(DEFAULT_OUT),
     Option("--png", f"plot path (default: {PNG_NAME} beside --out)", type=OutFile(), metavar="FILE", group=OUTPUT),
-    tmp_option("directory for teachers, caches and runs (default: the system temp dir); everything written there "
-               "is removed"),
-    Option("--keep", "keep the temporary directory (runs, logs) for inspection", action="store_true", group=RUN),
+    tmp_option("directory for teachers, caches and runs, kept there for inspection (runs, logs; default: a "
+               "temporary folder, removed)"),
 ]
 
 FLOORS = {"warm_vs_student_only": 0.97,           # warm samples/s >= 0.97 x student_only samples/s
@@ -201,69 +150,63 @@ def floors_table(fl):
                      for f in fl])
 
 
-# -- main --------------------------------------------------------------------------------------------------
-def main(argv=None):
-    _, args = parse_args(
-        "python -m bench.kd",
-        "kdcache end to end: student alone, inline KD, inline on the async engine, and the cache (online, warm, ring) "
-        "with a light and a heavy teacher, one core each. Prints markdown tables, writes a JSON report and a plot of "
-        "the heavy pair's online run.", OPTIONS, argv, default_out=DEFAULT_OUT)
+# -- the run -----------------------------------------------------------------------------------------------
+DESCRIPTION = ("kdcache end to end: student alone, inline KD, inline on the async engine, and the cache (online, warm, "
+               "ring) with a light and a heavy teacher, one core each. Prints markdown tables, writes a JSON report "
+               "and a plot of the heavy pair's online run.")
 
-    p = QUICK if args.quick else FULL
+
+def params(parser, args):
+    """The sizes of a full or a quick run."""
+    return QUICK if args.quick else FULL
+
+
+def run(kids, args, p, root):
+    """Calibrate the pairs, time the stages alone, run every scenario of each pair: the report."""
     png = args.png or os.path.join(os.path.dirname(os.path.abspath(args.out)), PNG_NAME)
-    m = machine(mxnet=True, omp_num_threads=THREADS)  # what every MXNet child runs with
     load_start = os.getloadavg()
-    t_start = time.perf_counter()
-    root = scratch_dir(args.tmp, "kdcache-bench-kd-")
-    kids = Children()
-    try:
-        log(f"{'quick' if args.quick else 'full'} run, temp dir {root}, load average {load_start[0]:.2f} "
-            f"{load_start[1]:.2f} {load_start[2]:.2f}")
-        log("calibrating the teachers against the student's step, sizing the data set (one process, 1 thread)")
-        sizes = {k: p[k] for k in ("reps", "tries", "epoch_s", "min_steps", "max_steps")}
-        prep = kids.run(python_m("bench.kd_children", "prepare", "--root", root, "--sizes", json.dumps(sizes)),
-                        "prepare", env=child_env(THREADS), log_dir=root, cwd=root, rss=RSS)
-        n, steps, dataset, epochs = prep["n"], prep["steps_per_epoch"], prep["dataset"], p["epochs"]
-        alone = {pair: teacher_alone(pair, c["prefix"], dataset, root, kids, p["repeats"])
-                 for pair, c in prep["pairs"].items()}
-        for pair, c in prep["pairs"].items():
-            log(f"  {pair}: width {c['width']} + {c['extra_convs']} convs, forward {c['forward_ms']:.1f} ms vs "
-                f"student step {c['step_ms']:.1f} ms per batch of {BATCH}: ratio {c['ratio']:.3f} (target "
-                f"{c['target']:.3f}); teacher alone {alone[pair]['rows_per_s']:.0f} rows/s = "
-                f"{alone[pair]['epoch_s']:.2f} s per epoch (median of "
-                f"{', '.join(f'{v:.0f}' for v in alone[pair]['passes_rows_per_s'])} rows/s)")
-        log(f"data set {dataset}: {steps} steps of {BATCH} per epoch (~{steps * prep['student_step_ms'] / 1e3:.1f} s "
-            f"of student), {epochs} epoch(s)")
-        scenarios = [sc for sc in ORDER if sc in REQUIRED or not args.quick]
+    log(f"{'quick' if args.quick else 'full'} run, temp dir {root}, load average {load_start[0]:.2f} "
+        f"{load_start[1]:.2f} {load_start[2]:.2f}")
+    log("calibrating the teachers against the student's step, sizing the data set (one process, 1 thread)")
+    sizes = {k: p[k] for k in ("reps", "tries", "epoch_s", "min_steps", "max_steps")}
+    prep = kids.run(python_m("bench.kd.children", "prepare", "--root", root, "--sizes", json.dumps(sizes)),
+                    "prepare", env=child_env(THREADS), log_dir=root, cwd=root, rss=RSS)
+    n, steps, dataset, epochs = prep["n"], prep["steps_per_epoch"], prep["dataset"], p["epochs"]
+    alone = {pair: teacher_alone(pair, c["prefix"], dataset, root, kids, p["repeats"])
+             for pair, c in prep["pairs"].items()}
+    for pair, c in prep["pairs"].items():
+        log(f"  {pair}: width {c['width']} + {c['extra_convs']} convs, forward {c['forward_ms']:.1f} ms vs "
+            f"student step {c['step_ms']:.1f} ms per batch of {BATCH}: ratio {c['ratio']:.3f} (target "
+            f"{c['target']:.3f}); teacher alone {alone[pair]['rows_per_s']:.0f} rows/s = "
+            f"{alone[pair]['epoch_s']:.2f} s per epoch (median of "
+            f"{', '.join(f'{v:.0f}' for v in alone[pair]['passes_rows_per_s'])} rows/s)")
+    log(f"data set {dataset}: {steps} steps of {BATCH} per epoch (~{steps * prep['student_step_ms'] / 1e3:.1f} s "
+        f"of student), {epochs} epoch(s)")
+    scenarios = [sc for sc in ORDER if sc in REQUIRED or not args.quick]
 
-        by = {}
-        for pair in TARGETS:
-            log(f"pair {pair}")
-            by[pair] = repeat_epoch1(pair, prep, root, kids, run_pair(pair, prep, epochs, root, kids,
-                                                                       scenarios=scenarios), p["repeats"])
-        gpu = {"skipped": True, "reason": "MXNet sees no GPU (mxnet.context.num_gpus() == 0): CPU-only machine",
-               "results": []}
-        if prep.get("num_gpus", 0) > 0:
-            gpu = {"skipped": False, "reason": None, "ctx": "gpu:0", "results": [], "error": None}
-            try:
-                for pair in TARGETS:
-                    log(f"GPU section, pair {pair} (student on gpu:0, teacher on the CPU)")
-                    runs = run_pair(pair, prep, epochs, root, kids, ctx="gpu:0", scenarios=scenarios)
-                    gpu["results"] += result_rows(pair, runs, "gpu")
-            except RuntimeError as e:  # keep the CPU section's report; the exit status says it failed
-                gpu["error"] = str(e)
-                log(f"GPU section failed: {e}")
-        else:
-            log("GPU section skipped: MXNet sees no GPU")
-        heavy_online = by["heavy"]["online"]
-        plot_online(heavy_online, png,
-                    f"kdcache online, heavy teacher (forward {prep['pairs']['heavy']['ratio']:.2f}x the student's "
-                    f"step), cold cache: {n} samples, batch {BATCH}, 1 core each", steps)
-    finally:
-        kids.stop_all()
-        if not args.keep:
-            shutil.rmtree(root, ignore_errors=True)
-    runtime = time.perf_counter() - t_start
+    by = {}
+    for pair in TARGETS:
+        log(f"pair {pair}")
+        by[pair] = repeat_epoch1(pair, prep, root, kids, run_pair(pair, prep, epochs, root, kids,
+                                                                   scenarios=scenarios), p["repeats"])
+    gpu = {"skipped": True, "reason": "MXNet sees no GPU (mxnet.context.num_gpus() == 0): CPU-only machine",
+           "results": []}
+    if prep.get("num_gpus", 0) > 0:
+        gpu = {"skipped": False, "reason": None, "ctx": "gpu:0", "results": [], "error": None}
+        try:
+            for pair in TARGETS:
+                log(f"GPU section, pair {pair} (student on gpu:0, teacher on the CPU)")
+                runs = run_pair(pair, prep, epochs, root, kids, ctx="gpu:0", scenarios=scenarios)
+                gpu["results"] += result_rows(pair, runs, "gpu")
+        except RuntimeError as e:  # keep the CPU section's report; the exit status says it failed
+            gpu["error"] = str(e)
+            log(f"GPU section failed: {e}")
+    else:
+        log("GPU section skipped: MXNet sees no GPU")
+    heavy_online = by["heavy"]["online"]
+    plot_online(heavy_online, png,
+                f"kdcache online, heavy teacher (forward {prep['pairs']['heavy']['ratio']:.2f}x the student's "
+                f"step), cold cache: {n} samples, batch {BATCH}, 1 core each", steps)
     load_end = os.getloadavg()
 
     results = [row for pair in TARGETS for row in result_rows(pair, by[pair], "cpu")]
@@ -284,7 +227,7 @@ def main(argv=None):
                      "student_alone_epoch1_s": statistics.median(by[pair]["student_only"]["epoch1_runs"]),
                      "student_alone_epoch1_runs": by[pair]["student_only"]["epoch1_runs"]} for pair in TARGETS}
     others = spread(r["other_processes_cores"] for r in results)
-    report = {
+    return {
         "results": results,
         "floors": {f"{f['floor']}:{f['pair']}": f for f in fl},
         "all_pass": all(f["verdict"] == "PASS" for f in fl),
@@ -299,19 +242,23 @@ def main(argv=None):
         "load": {"loadavg_start": [round(v, 2) for v in load_start], "loadavg_end": [round(v, 2) for v in load_end],
                  "other_processes_cores_mean": rounded(others["mean"]),
                  "other_processes_cores_max": rounded(others["max"])},
-        "machine": m,
-        "date": utc_now(),
-        "quick": bool(args.quick),
-        "runtime_s": round(runtime, 1),
         "plot": os.path.relpath(png, ROOT) if os.path.abspath(png).startswith(ROOT + os.sep) else png,
     }
 
-    print(heading("kdcache KD benchmark", args.quick, runtime))
-    print(machine_line(m))
-    print(f"load average (1/5/15 min): {' '.join(f'{v:.2f}' for v in load_start)} at the start, "
-          f"{' '.join(f'{v:.2f}' for v in load_end)} at the end; other processes kept "
-          f"{report['load']['other_processes_cores_mean'] or 0:.2f} cores busy on average during the runs "
-          f"(worst {report['load']['other_processes_cores_max'] or 0:.2f}) of {os.cpu_count()}\n")
+
+# -- what it prints ----------------------------------------------------------------------------------------
+def show(report):
+    """The tables, from the report alone; 1 when the GPU section failed (its CPU section is kept)."""
+    results, calibration, stages, gpu = report["results"], report["calibration"], report["stages"], report["gpu"]
+    fl, st_, ld = list(report["floors"].values()), report["settings"], report["load"]
+    dataset, steps, epochs = st_["dataset"], st_["steps_per_epoch"], st_["epochs"]
+    repeats = len(next(iter(stages.values()))["teacher_alone_passes_rows_per_s"])
+    print(heading("kdcache KD benchmark", report["quick"], report["runtime_s"]))
+    print(machine_line(report["machine"]))
+    print(f"load average (1/5/15 min): {' '.join(f'{v:.2f}' for v in ld['loadavg_start'])} at the start, "
+          f"{' '.join(f'{v:.2f}' for v in ld['loadavg_end'])} at the end; other processes kept "
+          f"{ld['other_processes_cores_mean'] or 0:.2f} cores busy on average during the runs "
+          f"(worst {ld['other_processes_cores_max'] or 0:.2f}) of {os.cpu_count()}\n")
     print(f"Data: {dataset}, batch {BATCH}, {steps} steps per epoch, {epochs} epoch(s); student {STUDENT}; "
           f"every MXNet process OMP_NUM_THREADS={THREADS}.\n")
     print("## Calibration (one thread, batch of %d)\n" % BATCH)
@@ -327,8 +274,8 @@ def main(argv=None):
           "pipeline.teacher (the producer's and inline mode's runner). Teacher alone: the producer's offline loop "
           "(cache_builder.produce.produce_offline) as `python -m kdcache.cache_builder --threads 1` runs it in a process of "
           f"its own, filling the train split into a fresh cache, nothing else running: rows/s of the loop (start-up "
-          f"excluded), median of {p['repeats']} pass(es). Student alone: student_only's epoch 1, median of "
-          f"{p['repeats']} run(s).\n")
+          f"excluded), median of {repeats} pass(es). Student alone: student_only's epoch 1, median of "
+          f"{repeats} run(s).\n")
     for pair in TARGETS:
         rows = [r for r in results if r["pair"] == pair]
         print(f"## {pair} teacher (forward {calibration['pairs'][pair]['ratio']:.2f}x the student's step)\n")
@@ -354,7 +301,7 @@ def main(argv=None):
           "0.2 s.\n")
     print("## Floors\n")
     print(floors_table(fl) + "\n")
-    warning = busy_warning(others["max"], "a scenario")
+    warning = busy_warning(ld["other_processes_cores_max"], "a scenario")
     if warning:
         print(warning)
     print("## GPU section\n")
@@ -369,10 +316,6 @@ def main(argv=None):
     missed = [f"{f['floor']} ({f['pair']})" for f in fl if f["verdict"] != "PASS"]
     print(floors_line(missed))
     print("\n" + for_the_manual(render(report)))
-    write_report(args.out, report)
-    print(f"Report: {args.out}\nPlot: {png}")
+    print(f"Plot: {report['plot']}")
     return 1 if gpu.get("error") else 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,7 +1,7 @@
 """The KD benchmark's MXNet processes: calibrate and export the teachers, time them alone, and the inline_async loop.
 
-    python -m bench.kd_children prepare --root DIR --sizes JSON
-    python -m bench.kd_children async --teacher PREFIX --dataset SPEC [--epochs N] [--batch-size B] [--ctx C]
+    python -m bench.kd.children prepare --root DIR --sizes JSON
+    python -m bench.kd.children async --teacher PREFIX --dataset SPEC [--epochs N] [--batch-size B] [--ctx C]
 
 bench.kd starts both with one compute thread (bench.common.child_env); each prints one JSON line.
 """
@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 from bench.cli import RUN, check_child, like, parse_args, trainer_option
-from bench.kd_scenarios import BATCH, CLASSES, SEED, SHAPE, STUDENT, TARGETS
+from bench.kd.scenarios import BATCH, CLASSES, SEED, SHAPE, STUDENT, TARGETS
 from kdcache.args import Allowed, Choice, Dir, Float, Int, Option, fail
 from kdcache.pipeline.options import resolve_teacher
 
@@ -303,7 +303,7 @@ OPTIONS = [
 
 
 def main(argv=None):
-    p, args = parse_args("python -m bench.kd_children", __doc__.split("\n\n")[0], OPTIONS, argv,
+    p, args = parse_args("python -m bench.kd.children", __doc__.split("\n\n")[0], OPTIONS, argv,
                          positionals=[("child", Choice(*NEEDS), "prepare | async")])
     check_child(p, args, NEEDS)
     if args.teacher is not None:

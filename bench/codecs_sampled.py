@@ -3,10 +3,12 @@
     python -m bench.codecs_sampled [REPORT]     print the tables (default bench/results/codecs_sampled.json)
 
 The report holds bench.codecs reports, one per temperature (a run distils at one -T): "runs" the quick ones
-(mnist5k and the synthetic 1,000-class case, T = 1, 4, 20), "full_synthetic" the full ones on the synthetic
-case (T = 1 and 4); "what" and "what_full_synthetic" say how each set was run. Each sampled:K sits beside the
-topk:K' whose bytes per row are nearest its own (sampled:9 27 B beside topk:5 28 B, sampled:16 48 B beside
-topk:10 48 B), after full/float32, the teacher's exact logits.
+(mnist5k and the synthetic 1,000-class case, T = 1, 4, 20), "full_NAME" the full ones on data set NAME
+("full_synthetic": T = 1, 4 and 20; "full_mnist5k": T = 4 and 20); "what" and "what_full_NAME" say how each
+set was run. A quick run's rows are shown only where no full run of the same data set and T supersedes them
+(the full runs' caches are the same, their students train longer on more seeds). Each sampled:K sits beside
+the topk:K' whose bytes per row are nearest its own (sampled:9 27 B beside topk:5 28 B, sampled:16 48 B
+beside topk:10 48 B), after full/float32, the teacher's exact logits.
 """
 import json
 import os
@@ -73,9 +75,9 @@ def full_table(runs):
         for name, d in r["datasets"].items():
             for label in shown(d["codecs"]):
                 row = d["codecs"][label]
-                rows.append([name, t, f"`{label}`", row["bytes_per_row"], acc_cell(row["student"]),
-                             ece(row["student"])])
-            rows.append([name, t, "no teacher (scratch)", "-", acc_cell(d["scratch"]), ece(d["scratch"])])
+                rows.append([name, t, f"`{label}`", row["bytes_per_row"], kl(row["kl"][t]),
+                             f"{row['top1_agreement']:.3f}", acc_cell(row["student"]), ece(row["student"])])
+            rows.append([name, t, "no teacher (scratch)", "-", "-", "-", acc_cell(d["scratch"]), ece(d["scratch"])])
             for topk, sampled in pairs(d["codecs"]):
                 a, b = d["codecs"][sampled]["student"], d["codecs"][topk]["student"]
                 mean, std = paired(a, b)
@@ -83,8 +85,8 @@ def full_table(runs):
                 diffs.append(f"`{sampled}` minus `{topk}` {mean:+.2f} ± {std:.2f} points (ahead on {ahead} of "
                              f"{len(a['accs'])} seeds)")
         notes.append(f"T = {t}: " + ", ".join(diffs))
-    table = md_table(["data set", "T", "codec", "bytes/row", f"student accuracy ({seeds(by_temperature(runs))})",
-                      "student ECE"], rows, pad=False)
+    table = md_table(["data set", "T", "codec", "bytes/row", "T²·KL to the teacher at T", "top-1 agreement",
+                      f"student accuracy ({seeds(by_temperature(runs))})", "student ECE"], rows, pad=False)
     return table + "\n\n" + "Paired by seed, " + "; ".join(notes) + "."
 
 
@@ -102,20 +104,42 @@ def temperatures(runs):
     return ", ".join(ts[:-1]) + " and " + ts[-1] if len(ts) > 1 else ts[0]
 
 
+def full_parts(report):
+    """[(key, {T: report})]: the full runs, one set per data set ("full_mnist5k", "full_synthetic"), by name."""
+    return sorted((k, v) for k, v in report.items() if k.startswith("full_") and isinstance(v, dict) and v)
+
+
+def unsuperseded(report):
+    """The quick runs, each keeping only the data sets no full run at the same T covers (a run left with
+    none is left out)."""
+    covered = {(name, float(t)) for _, runs in full_parts(report) for t, r in runs.items() for name in r["datasets"]}
+    out = {}
+    for t, r in report["runs"].items():
+        kept = {name: d for name, d in r["datasets"].items() if (name, float(t)) not in covered}
+        if kept:
+            out[t] = {**r, "datasets": kept}
+    return out
+
+
 def render(report):
-    """[(title, markdown table)]: the quick runs' codecs at each T, then the full runs' students with the
-    sampled-minus-top-k differences paired by seed."""
-    quick, full = report["runs"], report.get("full_synthetic")
+    """[(title, markdown table)]: the quick runs' codecs at each T no full run supersedes, then each data set's
+    full runs, their students with the sampled-minus-top-k differences paired by seed."""
+    quick = unsuperseded(report)
     kind = lambda runs: "quick" if all(r.get("quick") for _, r in by_temperature(runs)) else "full"  # noqa: E731
-    out = [(f"{kind(quick).capitalize()} runs ({epochs(quick)}), T = {temperatures(quick)}:", quick_table(quick))]
-    if full:
+    out = []
+    if quick:
+        out.append((f"{kind(quick).capitalize()} runs ({epochs(quick)}), T = {temperatures(quick)}:",
+                    quick_table(quick)))
+    for _, full in full_parts(report):
         out.append((f"{kind(full).capitalize()} runs ({epochs(full)}), T = {temperatures(full)}:", full_table(full)))
     return out
 
 
 def runs_line(report):
-    """The line that dates the figures: each run's day and time, the machine, the other processes' load."""
-    runs = [r for part in ("runs", "full_synthetic") for _, r in by_temperature(report.get(part) or {})]
+    """The line that dates the figures: each run's day and time, the machine, the other processes' load (the
+    runs shown: a quick run every data set of which a full run supersedes is not counted)."""
+    parts = [unsuperseded(report)] + [runs for _, runs in full_parts(report)]
+    runs = [r for part in parts for _, r in by_temperature(part)]
     days = sorted({str(r.get("date", "?"))[:10] for r in runs})
     m = runs[0].get("machine") or {} if runs else {}
     where = ", ".join(x for x in (m.get("cpu_model"), f"{m['cpus']} vCPUs" if m.get("cpus") else "") if x)

@@ -19,7 +19,7 @@ COMMON = ("--image-size", "40x40", "--augment", "rrc:8,flip", "--batch-size", BA
 @pytest.fixture(scope="module")
 def photos(tmp_path_factory):
     """48 JPEG photos of 300-500 px (bench.decode's set), a RecordIO of their first 24, and a teacher for 3x8x8."""
-    from bench.decode import make_photos
+    from bench.decode.photos import make_photos
     d = tmp_path_factory.mktemp("photos")
     make_photos(str(d / "folder"), PHOTOS)
     from tests.datafiles import write_rec
@@ -187,7 +187,7 @@ def test_the_docs_decode_table_is_made_from_the_report():
 
 
 def test_the_photo_set_is_deterministic(tmp_path):
-    from bench.decode import make_photos
+    from bench.decode.photos import make_photos
     make_photos(str(tmp_path / "a"), 6)
     make_photos(str(tmp_path / "b"), 6)
     files = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*.jpg"))
@@ -200,7 +200,7 @@ def test_the_photo_set_is_deterministic(tmp_path):
 @pytest.mark.slow
 def test_bench_decode_quick(tmp_path):
     from tests.helpers import positive, run_bench
-    from bench.decode import table
+    from bench.decode.run import table
     (tmp_path / "results").mkdir()  # run_bench's --out: a file in a folder that exists
     proc, report = run_bench("decode", tmp_path)
     assert report["quick"] and report["photos"] == 64

@@ -406,7 +406,8 @@ def scratch_dir(tmp, prefix):
 def run_in_scratch(args, prefix, run, *params):
     """run(kids, args, *params, work) in a scratch folder (args.tmp, else a temporary one removed after),
     every child process stopped whatever happens; a BenchError is printed as one line and gives None."""
-    work = scratch_dir(args.tmp, prefix)
+    tmp = getattr(args, "tmp", None)  # a benchmark without --tmp works in a temporary folder
+    work = scratch_dir(tmp, prefix)
     kids = Children()
     try:
         return run(kids, args, *params, work)
@@ -415,7 +416,7 @@ def run_in_scratch(args, prefix, run, *params):
         return None
     finally:
         kids.stop_all()
-        if not args.tmp:
+        if not tmp:
             shutil.rmtree(work, ignore_errors=True)
 
 

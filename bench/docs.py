@@ -38,7 +38,7 @@ BENCHMARKS = {
     "bench.producer": ("bench.producer.run", "producer.json"),
     "bench.codecs": ("bench.codecs_report", "codecs.json"),
     "bench.distill": ("bench.distill.run", "distill.json"),
-    "bench.sizing": ("bench.sizing", "sizing.json"),
+    "bench.sizing": ("bench.sizing.run", "sizing.json"),
     "bench.decode": ("bench.decode.run", "decode.json"),
     "bench.recipe": ("bench.recipe.run", "recipe_sweep.json"),
     "bench.ensemble": ("bench.ensemble", "ensemble.json"),

@@ -1,6 +1,6 @@
 """The manual's generated blocks: benchmark tables from bench/results/*.json and option tables from their declarations.
 
-    python -m bench.docs            rewrite every generated block of docs/*.md in place
+    python -m bench.docs            rewrite every generated block of docs/*.md and README.md in place
     python -m bench.docs --check    exit 1 naming each block that is not what its source says; write nothing
 
 A generated block sits between two marker lines, and only what is between them is rewritten; the prose
@@ -155,11 +155,10 @@ def regenerate(text, path, results, blocks):
     return "".join(out), stale
 
 
-def run(docs, results, check):
-    """Rewrite (or, with check, compare) every docs/*.md; returns [(file, stale block)]."""
+def run(docs, results, check, also=()):
+    """Rewrite (or, with check, compare) every docs/*.md and the files `also` names; returns [(file, stale block)]."""
     blocks, found = registry(), []
-    for file in sorted(f for f in os.listdir(docs) if f.endswith(".md")):
-        path = os.path.join(docs, file)
+    for path in [os.path.join(docs, f) for f in sorted(os.listdir(docs)) if f.endswith(".md")] + list(also):
         with open(path, encoding="utf-8") as fh:
             text = fh.read()
         new, stale = regenerate(text, path, results, blocks)
@@ -189,7 +188,8 @@ def main(argv=None):
     docs = args.docs or os.path.join(ROOT, "docs")
     results = args.results or os.path.join(ROOT, "bench", "results")
     try:
-        stale = run(docs, results, args.check)
+        # the README's generated blocks too, when the manual is this repository's
+        stale = run(docs, results, args.check, also=() if args.docs else (os.path.join(ROOT, "README.md"),))
     except DocsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -61,7 +61,7 @@ TEACHER_DEP = $(if $(TEACHER),,$(DEFAULT_TEACHER_FILE))
 
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: help options docs setup test test-fast torture bench bench-kd bench-demand bench-store bench-read bench-checksums bench-producer bench-sizing bench-codecs bench-ensemble bench-decode caches verify teacher cache cache-online train train-dist clean
+.PHONY: help options docs setup test test-fast torture bench bench-kd bench-demand bench-store bench-read bench-checksums bench-producer bench-sizing bench-codecs bench-ensemble bench-quality bench-decode caches verify teacher cache cache-online train train-dist clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s "$$(printf '\t')"
@@ -117,6 +117,9 @@ bench-codecs: setup $(CODEC_TEACHERS)  ## soft-target codecs (full, topk:K, int8
 
 bench-ensemble: setup  ## read-time teacher ensembles on mnist5k: three teachers alone and together, students from each, 0 teacher forwards to build the ensemble (QUICK=1 for a short run)
 	$(PY) -m bench.ensemble $(if $(QUICK),--quick)
+
+bench-quality: setup  ## distillation on the full Fashion-MNIST (apt-get install dataset-fashion-mnist): two students from scratch, inline and from the cache, 5 seeds, the gap each closes (QUICK=1 for a short run)
+	$(PY) -m bench.quality $(if $(QUICK),--quick)
 
 bench-store: setup  ## store micro-benchmarks: gather, write order, codec sizes (QUICK=1 for a short run)
 	$(PY) -m bench.store $(if $(QUICK),--quick)

@@ -342,3 +342,19 @@ def test_soft_target_iter_refuses_non_finite_targets(tmp_path):
         for _ in it:
             pass
     assert f"kdcache verify {p}" in str(e.value)
+
+
+def test_soft_target_dataset_refuses_non_finite_targets(tmp_path):
+    from kdcache.store.registry import final_path
+    from tests.helpers import label_cache
+    from kdcache.trainer import SoftTargetDataset
+    from kdcache.trainer.loss import NonFiniteError
+    ds, p = label_cache(tmp_path)
+    with h5py.File(final_path(p), "r+") as f:
+        f["logits"][500, 0, 2] = np.nan
+    reseal(p)
+    soft = SoftTargetDataset(ds, p)
+    assert np.isfinite(soft[499][2]).all()  # its neighbours are served
+    with pytest.raises(NonFiniteError, match=r"the teacher targets of sample 500 view 0 hold NaN or Inf") as e:
+        soft[500]
+    assert f"kdcache verify {p}" in str(e.value)

@@ -25,6 +25,7 @@ from mxnet import gluon
 from kdcache.pipeline.augment import apply_one, as_augment
 from kdcache.store import CacheReader, StoreError
 from kdcache.store.ensemble import EnsembleReader
+from kdcache.trainer.loss import check_targets
 
 # Values in shared memory, so that worker processes forked before a change see it: the epoch, and whether an
 # order was (or will be) announced.
@@ -172,6 +173,9 @@ class SoftTargetDataset(gluon.data.Dataset):
         reader = self.reader()
         waits = reader.waits
         soft = reader.get(np.array([i]), v)[0]
+        # A reader serves what the file holds: a damaged value would put NaN into every weight at the
+        # first step of the user's own loop (kdcache.trainer.loss NOTE), so it is refused here, by key.
+        check_targets(soft[None], [i], v, cache=self._path)
         if reader.waits != waits and not self._announced.value and not self._hinted:
             self._hinted = True  # once per process
             warnings.warn(f"SoftTargetDataset: waited for the target of sample {i}, which the producer has not "

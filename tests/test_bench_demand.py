@@ -41,7 +41,7 @@ def test_bench_demand_quick_writes_report(tmp_path):
     assert report["load"]["other_processes_cores_max"] is not None
 
     assert "machine:" in proc.stdout and "## First epoch, cold cache" in proc.stdout and "## Goals" in proc.stdout
-    assert os.listdir(tmp_path / "scratch") == []
+    assert [d.startswith("kdcache-demand-") for d in os.listdir(tmp_path / "scratch")] == [True]  # kept: --tmp
 
 
 SIZES = '{"reps":3,"tries":1,"epoch_s":1.5,"min_steps":6,"max_steps":40,"target":1.25}'
@@ -49,16 +49,16 @@ SIZES = '{"reps":3,"tries":1,"epoch_s":1.5,"min_steps":6,"max_steps":40,"target"
 
 @pytest.mark.parametrize("module, flag, argv", [
     *(("demand", flag, argv) for flag, argv in REPORT_MISTAKES),
-    ("demand_children", "--root", "prepare --sizes " + SIZES),
-    ("demand_children", "--sizes", "prepare --root {tmp}/dir --sizes " + SIZES.replace("1.25", "0")),
-    ("demand_children", "--demand", "produce --teacher {tmp}/t --dataset digits --cache {tmp}/dir/c --demand maybe"),
-    ("demand_children", "--ready", "train --dataset digits --cache {tmp}/dir/c --order shuffle --read item "
+    ("demand.children", "--root", "prepare --sizes " + SIZES),
+    ("demand.children", "--sizes", "prepare --root {tmp}/dir --sizes " + SIZES.replace("1.25", "0")),
+    ("demand.children", "--demand", "produce --teacher {tmp}/t --dataset digits --cache {tmp}/dir/c --demand maybe"),
+    ("demand.children", "--ready", "train --dataset digits --cache {tmp}/dir/c --order shuffle --read item "
                                    "--workers 0"),
-    ("demand_children", "--workers", "train --dataset digits --cache {tmp}/dir/c --order shuffle --read item "
+    ("demand.children", "--workers", "train --dataset digits --cache {tmp}/dir/c --order shuffle --read item "
                                      "--workers 2 --ready {tmp}/dir/r"),
-    ("demand_children", "--order", "train --dataset digits --cache {tmp}/dir/c --order random --read item "
+    ("demand.children", "--order", "train --dataset digits --cache {tmp}/dir/c --order random --read item "
                                    "--workers 0 --ready {tmp}/dir/r"),
-    ("demand_children", "--root", "train --root {tmp}/dir --dataset digits --cache {tmp}/dir/c --order shuffle "
+    ("demand.children", "--root", "train --root {tmp}/dir --dataset digits --cache {tmp}/dir/c --order shuffle "
                                   "--read item --workers 0 --ready {tmp}/dir/r")])
 def test_bench_demand_bad_options(tmp_path, module, flag, argv):
     assert_refused(tmp_path, module, flag, argv)

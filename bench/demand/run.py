@@ -1,48 +1,12 @@
-"""Demand-driven producing: the first epoch of a user's shuffled DataLoader against a producer still filling the cache.
-
-    PYTHONPATH=. python -m bench.demand [--quick] [--out bench/results/demand.json] [--tmp DIR]
-
-A user's own Gluon loop reads a cache while a producer fills it: `gluon.data.DataLoader(SoftTargetDataset(...),
-batch_size=64, ...)` and a small_cnn step. kdcache does not know a shuffled DataLoader's order; it learns it only
-from the readers (store.demand). Each scenario starts with a fresh cache, the trainer and the producer in separate
-processes with one core each (OMP_NUM_THREADS=1), the same teacher and data:
-  key_order         (a) the offline producer ignoring demand (produce_offline(demand=False)), DataLoader(shuffle=True)
-  demand_wait       (b) the offline producer serving demand, DataLoader(shuffle=True): the reader publishes the keys
-                    it waits for, one item at a time
-  demand_announced  (c) the same producer, DataLoader(sampler=ds.sampler()): each epoch's order announced up front
-  schedule          (d) kdcache's own schedule: `python -m kdcache.cache_builder --online`, the DataLoader reading the
-                    schedule's order (pipeline.schedule.epoch_permutation, what epoch_batches cuts into batches)
-  *_w1              (b) and (c) with num_workers=1 (not in --quick)
-  demand_wait_batch (b') a prototype of a trainer change, not kdcache's API: items without targets and a
-                    batchify_fn that reads a batch's targets at once, so a waiting reader names the batch's missing
-                    keys together; with num_workers=0 and 1 (not in --quick)
-References: the producer alone (produce_offline into a fresh cache, no reader: seconds of its loop) and the student
-alone (the same loop on that finished cache). The trainer is started first; once loaded it waits for the cache,
-which the producer creates after loading its teacher, and its clock starts there: neither side gets a head start.
-
-Data: `synthetic` 3x32x32, 10 classes, sized so that the student's steps take about 8 s per epoch (--quick:
-1.5 s). Teacher: bench.kd's VGG-style CNN, its width and depth calibrated here so that its forward of a batch of
-64 takes about 1.25x the student's step on the same batch, both on one thread (the loop also loads each item
-apart, so the two stages come out comparable; both are measured alone and printed).
-
-This process never imports MXNet; bench.demand_children is the MXNet processes.
-"""
+"""The demand benchmark's command: its scenarios and options, the run (calibration, stages, scenarios, goals) and what it prints."""
+import json
 import os
-import sys
+import statistics
+import time
 
-if __package__ in (None, ""):  # run as a file: import the repo's packages, not this directory's
-    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-import json  # noqa: E402
-import shutil  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-
-from bench.cli import RUN, out_option, parse_args, quick_option, tmp_option  # noqa: E402
-from bench.common import (Children, busy_warning, child_env, cpu_between, cpu_snapshot,  # noqa: E402
-                          floors_line, heading, machine, machine_line, make_log, md_table, python_m,
-                          for_the_manual, scratch_dir, spread, utc_now, verdict, write_report)
-from kdcache.args import Option  # noqa: E402
+from bench.cli import out_option, quick_option, tmp_option
+from bench.common import (busy_warning, child_env, cpu_between, cpu_snapshot, floors_line, heading, machine_line,
+                          make_log, md_table, python_m, for_the_manual, spread, verdict)
 
 DEFAULT_OUT = os.path.join("bench", "results", "demand.json")
 THREADS, SEED, BATCH = 1, 0, 64
@@ -79,9 +43,8 @@ FLOORS = {"stall_vs_key_order": 0.25,       # stall of (b) or (c) <= 0.25 x stal
 OPTIONS = [
     quick_option("a data set of about 1.5 s per epoch, one run per scenario, scenarios (a)-(d) only"),
     out_option(DEFAULT_OUT),
-    tmp_option("directory for the teacher, caches and logs (default: the system temp dir); everything written "
-               "there is removed"),
-    Option("--keep", "keep the temporary directory (caches, logs) for inspection", action="store_true", group=RUN),
+    tmp_option("directory for the teacher, caches and logs, kept there for inspection (default: a temporary "
+               "folder, removed)"),
 ]
 
 log = make_log("bench.demand")
@@ -98,7 +61,7 @@ def run_one(name, prep, root, kids, rep, *, demand=None, order="shuffle", worker
     ready = os.path.join(d, "ready")
     env = child_env(THREADS)
     snap = cpu_snapshot()
-    tr = kids.start(python_m("bench.demand_children", "train", "--dataset", prep["dataset"], "--cache", cache,
+    tr = kids.start(python_m("bench.demand.children", "train", "--dataset", prep["dataset"], "--cache", cache,
                              "--order", order, "--read", read, "--workers", workers, "--ready", ready),
                     f"{name}-{rep} trainer", env=env, log_dir=d, cwd=d)
     pr = None
@@ -111,7 +74,7 @@ def run_one(name, prep, root, kids, rep, *, demand=None, order="shuffle", worker
                             cache, "--online", "--seed", SEED, "--epochs", 1, "--batch-size", BATCH, "--threads",
                             THREADS, "--json", "--quiet", "--timeline", os.path.join(d, "timeline.json"))
         else:
-            argv = python_m("bench.demand_children", "produce", "--teacher", prep["prefix"], "--dataset",
+            argv = python_m("bench.demand.children", "produce", "--teacher", prep["prefix"], "--dataset",
                             prep["dataset"], "--cache", cache, "--demand", demand)
         pr = kids.start(argv, f"{name}-{rep} producer", env=env, log_dir=d, cwd=d)
     t = kids.finish(tr)
@@ -219,66 +182,61 @@ def why_waits_only(row, runs):
             "read_when_producer_done": row["read_when_producer_done"]}
 
 
-def main(argv=None):
-    _, args = parse_args(
-        "python -m bench.demand",
-        "The first epoch of a user's shuffled DataLoader against a producer filling the cache: key order, "
-        "demand-driven (waits only, and with the order announced) and kdcache's own schedule, one core each. "
-        "Prints markdown tables and writes a JSON report.", OPTIONS, argv, default_out=DEFAULT_OUT)
-    p = QUICK if args.quick else FULL
-    m = machine(mxnet=True, omp_num_threads=THREADS)
+DESCRIPTION = ("The first epoch of a user's shuffled DataLoader against a producer filling the cache: key order, "
+               "demand-driven (waits only, and with the order announced) and kdcache's own schedule, one core each. "
+               "Prints markdown tables and writes a JSON report.")
+
+
+def params(parser, args):
+    """The sizes of a full or a quick run."""
+    return QUICK if args.quick else FULL
+
+
+def run(kids, args, p, root):
+    """Calibrate the teacher, time the stages alone, run every scenario round robin: the report."""
     load_start = os.getloadavg()
-    t_start = time.perf_counter()
-    root = scratch_dir(args.tmp, "kdcache-bench-demand-")
-    kids = Children()
     names = [s for s, sc in SCENARIOS.items() if p["every"] or not sc["full_only"]]
-    try:
-        log(f"{'quick' if args.quick else 'full'} run, temp dir {root}, load average "
-            f"{' '.join(f'{v:.2f}' for v in load_start)}")
-        log("calibrating the teacher against the student's step and sizing the data set (one process, 1 thread)")
-        prep = kids.run(python_m("bench.demand_children", "prepare", "--root", root, "--sizes", json.dumps(p["cal"])),
-                        "prepare", env=child_env(THREADS), log_dir=root, cwd=root)
-        n = prep["n"]
-        log(f"  teacher width {prep['width']} + {prep['extra_convs']} convs: forward {prep['forward_ms']:.1f} ms vs "
-            f"student step {prep['step_ms']:.1f} ms per batch of {BATCH} (ratio {prep['ratio']:.2f}); data set "
-            f"{prep['dataset']}")
-        # the producer alone into a fresh cache, no reader; then the student alone on that finished cache
-        d0 = os.path.join(root, "producer-alone")
-        os.makedirs(d0)
-        warm = os.path.join(d0, "cache")
-        snap = cpu_snapshot()
-        alone = kids.run(python_m("bench.demand_children", "produce", "--teacher", prep["prefix"], "--dataset",
-                                  prep["dataset"], "--cache", warm, "--demand", "off"), "producer alone",
-                         env=child_env(THREADS), log_dir=d0, cwd=d0)
-        alone_cpu = cpu_between(snap, cpu_snapshot())
-        log(f"  producer alone: {alone['loop_s']:.2f} s ({alone['rows_per_s']:.0f} rows/s)")
-        student = {}
-        for w in (0, 1) if p["every"] else (0,):
-            student[w] = [run_one(f"student-alone-w{w}", prep, root, kids, i, order="shuffle", workers=w,
-                                  producer=None, cache=warm) for i in range(p["reps"])]
-            log(f"  student alone, num_workers={w}: epoch 1 "
-                + ", ".join(f"{r['trainer']['epoch1_s']:.2f}" for r in student[w]) + " s")
-        slowest = {}
-        for w, runs in student.items():
-            s = median([r["trainer"] for r in runs], "epoch1_s")
-            slowest[w] = ({"stage": "producer", "seconds": alone["loop_s"]} if alone["loop_s"] >= s else
-                          {"stage": "student", "seconds": s})
-        runs = {s: [] for s in names}
-        for rep in range(p["reps"]):  # round robin: machine noise spreads over every scenario
-            for s in names:
-                sc = SCENARIOS[s]
-                r = run_one(s, prep, root, kids, rep, demand=sc["demand"], order=sc["order"], workers=sc["workers"],
-                            read=sc["read"], producer=sc["producer"])
-                runs[s].append(r)
-                t = r["trainer"]
-                log(f"  {s} #{rep + 1}: epoch 1 {t['epoch1_s']:.2f} s, stall {t['stall_s']:.2f} s, "
-                    f"{t['items_waited']} items waited, demand rows {r['producer'].get('demand_rows')}, other "
-                    f"processes {r['cpu']['other_cores'] or 0:.2f} cores")
-    finally:
-        kids.stop_all()
-        if not args.keep:
-            shutil.rmtree(root, ignore_errors=True)
-    runtime = time.perf_counter() - t_start
+    log(f"{'quick' if args.quick else 'full'} run, temp dir {root}, load average "
+        f"{' '.join(f'{v:.2f}' for v in load_start)}")
+    log("calibrating the teacher against the student's step and sizing the data set (one process, 1 thread)")
+    prep = kids.run(python_m("bench.demand.children", "prepare", "--root", root, "--sizes", json.dumps(p["cal"])),
+                    "prepare", env=child_env(THREADS), log_dir=root, cwd=root)
+    n = prep["n"]
+    log(f"  teacher width {prep['width']} + {prep['extra_convs']} convs: forward {prep['forward_ms']:.1f} ms vs "
+        f"student step {prep['step_ms']:.1f} ms per batch of {BATCH} (ratio {prep['ratio']:.2f}); data set "
+        f"{prep['dataset']}")
+    # the producer alone into a fresh cache, no reader; then the student alone on that finished cache
+    d0 = os.path.join(root, "producer-alone")
+    os.makedirs(d0)
+    warm = os.path.join(d0, "cache")
+    snap = cpu_snapshot()
+    alone = kids.run(python_m("bench.demand.children", "produce", "--teacher", prep["prefix"], "--dataset",
+                              prep["dataset"], "--cache", warm, "--demand", "off"), "producer alone",
+                     env=child_env(THREADS), log_dir=d0, cwd=d0)
+    alone_cpu = cpu_between(snap, cpu_snapshot())
+    log(f"  producer alone: {alone['loop_s']:.2f} s ({alone['rows_per_s']:.0f} rows/s)")
+    student = {}
+    for w in (0, 1) if p["every"] else (0,):
+        student[w] = [run_one(f"student-alone-w{w}", prep, root, kids, i, order="shuffle", workers=w,
+                              producer=None, cache=warm) for i in range(p["reps"])]
+        log(f"  student alone, num_workers={w}: epoch 1 "
+            + ", ".join(f"{r['trainer']['epoch1_s']:.2f}" for r in student[w]) + " s")
+    slowest = {}
+    for w, runs in student.items():
+        s = median([r["trainer"] for r in runs], "epoch1_s")
+        slowest[w] = ({"stage": "producer", "seconds": alone["loop_s"]} if alone["loop_s"] >= s else
+                      {"stage": "student", "seconds": s})
+    runs = {s: [] for s in names}
+    for rep in range(p["reps"]):  # round robin: machine noise spreads over every scenario
+        for s in names:
+            sc = SCENARIOS[s]
+            r = run_one(s, prep, root, kids, rep, demand=sc["demand"], order=sc["order"], workers=sc["workers"],
+                        read=sc["read"], producer=sc["producer"])
+            runs[s].append(r)
+            t = r["trainer"]
+            log(f"  {s} #{rep + 1}: epoch 1 {t['epoch1_s']:.2f} s, stall {t['stall_s']:.2f} s, "
+                f"{t['items_waited']} items waited, demand rows {r['producer'].get('demand_rows')}, other "
+                f"processes {r['cpu']['other_cores'] or 0:.2f} cores")
     load_end = os.getloadavg()
 
     by = {s: scenario_row(s, runs[s], slowest) for s in names}
@@ -289,7 +247,7 @@ def main(argv=None):
                     for w, rs in student.items()}
     others = spread([r["cpu"]["other_cores"] for rs in list(runs.values()) + list(student.values()) for r in rs]
                     + [alone_cpu["other_cores"]])
-    report = {
+    return {
         "results": [by[s] for s in names],
         "goals": {g["goal"]: g for g in gl},
         "goal_met": (gl[0]["verdict"] == "PASS" or gl[1]["verdict"] == "PASS") and gl[2]["verdict"] == "PASS",
@@ -306,12 +264,7 @@ def main(argv=None):
         "load": {"loadavg_start": [round(v, 2) for v in load_start], "loadavg_end": [round(v, 2) for v in load_end],
                  "other_processes_cores_mean": rounded(others["mean"]),
                  "other_processes_cores_max": rounded(others["max"])},
-        "machine": m, "date": utc_now(), "quick": bool(args.quick), "runtime_s": round(runtime, 1),
     }
-    print_report(report, by, names, gl, why, args.quick, runtime)
-    write_report(args.out, report)
-    print(f"Report: {args.out}")
-    return 0
 
 
 # The manual's names of the scenarios and goals (docs/benchmarks.md).
@@ -343,9 +296,12 @@ def render(report):
             ("Goals:", md_table(["goal", "measured", "limit", "verdict"], goals, pad=False))]
 
 
-def print_report(report, by, names, gl, why, quick, runtime):
+def show(report):
+    """The tables, from the report alone."""
     m, ld, st, cal = report["machine"], report["load"], report["stages"], report["calibration"]
-    print(heading("kdcache demand-driven producing", quick, runtime))
+    by = {r["scenario"]: r for r in report["results"]}
+    names, gl, why = list(by), list(report["goals"].values()), report["why_waits_only"]
+    print(heading("kdcache demand-driven producing", report["quick"], report["runtime_s"]))
     print(machine_line(m))
     print(f"load average (1/5/15 min): {' '.join(f'{v:.2f}' for v in ld['loadavg_start'])} at the start, "
           f"{' '.join(f'{v:.2f}' for v in ld['loadavg_end'])} at the end; other processes kept "
@@ -373,7 +329,7 @@ def print_report(report, by, names, gl, why, quick, runtime):
           "items). demand_rows: rows the producer wrote first because a reader waited for them or announced them "
           "(its Demand.served); online follows the schedule and takes no demand. read when producer done: the share "
           "of the epoch the trainer had read when the producer wrote its last row. (b'): a prototype, not kdcache's "
-          "API (see bench.demand_children).\n")
+          "API (see bench.demand.children).\n")
     if why:
         print("## (b), waits only: what its producer did\n")
         print(md_table(["measure", "value"], [
@@ -403,6 +359,3 @@ def print_report(report, by, names, gl, why, quick, runtime):
     print(floors_line([g["goal"] for g in gl if g["verdict"] != "PASS"]))
     print("\n" + for_the_manual(render(report)))
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,8 +1,8 @@
 """The demand benchmark's MXNet processes: calibrate the teacher, the offline producer, a user's Gluon loop.
 
-    python -m bench.demand_children prepare --root DIR --sizes JSON
-    python -m bench.demand_children produce --teacher PREFIX --dataset SPEC --cache PATH --demand on|off
-    python -m bench.demand_children train --dataset SPEC --cache PATH --order shuffle|announce|schedule
+    python -m bench.demand.children prepare --root DIR --sizes JSON
+    python -m bench.demand.children produce --teacher PREFIX --dataset SPEC --cache PATH --demand on|off
+    python -m bench.demand.children train --dataset SPEC --cache PATH --order shuffle|announce|schedule
                                          --read item|batch --workers 0|1 --ready FILE
 
 bench.demand starts each with one compute thread (bench.common.child_env); each prints one JSON line.
@@ -26,7 +26,7 @@ import time
 import numpy as np
 
 from bench.cli import RUN, check_child, like, parse_args, trainer_option
-from bench.kd_children import TEACHER_SHAPES, Sizes as KdSizes, optimizer, teacher_cost, teacher_net, trainer_defaults
+from bench.kd.children import TEACHER_SHAPES, Sizes as KdSizes, optimizer, teacher_cost, teacher_net, trainer_defaults
 from kdcache.args import Choice, Dir, Float, Int, Option, OutFile
 
 BATCH = 64
@@ -348,7 +348,7 @@ OPTIONS = [
 
 
 def main(argv=None):
-    p, args = parse_args("python -m bench.demand_children", __doc__.split("\n\n")[0], OPTIONS, argv,
+    p, args = parse_args("python -m bench.demand.children", __doc__.split("\n\n")[0], OPTIONS, argv,
                          positionals=[("child", Choice(*NEEDS), "prepare | produce | train")])
     check_child(p, args, NEEDS)
     if args.child == "prepare":

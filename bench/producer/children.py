@@ -1,9 +1,9 @@
 """The producer benchmark's MXNet processes: export its teacher, the bare teacher loop it is compared with,
 and this core's float32 peak.
 
-    python -m bench.producer_children export --teacher PREFIX
-    python -m bench.producer_children bare --teacher PREFIX --dataset SPEC --batch-size B
-    python -m bench.producer_children peak
+    python -m bench.producer.children export --teacher PREFIX
+    python -m bench.producer.children bare --teacher PREFIX --dataset SPEC --batch-size B
+    python -m bench.producer.children peak
 
 bench.producer starts each with one compute thread (bench.common.child_env); each checks that its OpenMP
 runtimes run one thread (bench.flops.one_thread) and prints one JSON line.
@@ -97,7 +97,7 @@ OPTIONS = [
 
 
 def main(argv=None):
-    p, args = parse_args("python -m bench.producer_children", __doc__.split("\n\n")[0], OPTIONS, argv,
+    p, args = parse_args("python -m bench.producer.children", __doc__.split("\n\n")[0], OPTIONS, argv,
                          positionals=[("child", Choice(*NEEDS), "export | bare | peak")])
     check_child(p, args, NEEDS)
     if args.child == "export":

@@ -7,7 +7,7 @@ import time
 import numpy as np
 
 from bench.common import cpu_between, cpu_snapshot, make_log, md_table, python_m, rate, spread, verdict
-from bench.producer_children import CLASSES, SHAPE
+from bench.producer.children import CLASSES, SHAPE
 
 THREADS = 1  # compute threads of every producer and bare loop
 FLOORS = {"producer_vs_bare_forward": 0.9, "two_shards_vs_one": 1.6, "two_shards_vs_one_aggregate": 1.6}
@@ -26,7 +26,7 @@ def producer_argv(prefix, dataset_arg, cache_dir, batch, shard="0/1", shards=Non
 
 
 def bare_argv(prefix, dataset_arg, batch):
-    return python_m("bench.producer_children", "bare", "--teacher", prefix, "--dataset", dataset_arg,
+    return python_m("bench.producer.children", "bare", "--teacher", prefix, "--dataset", dataset_arg,
                     "--batch-size", batch)
 
 
@@ -121,19 +121,25 @@ def bench_overhead(root, kids, prefix, dataset_arg, p):
            "bare_cores_used": bare["cores_used"], "bare_threads": bare["threads"],
            "cache_bytes": cache_bytes, "cpu_per_run": {k: [x["cpu"] for x in v] for k, v in runs.items()},
            **busy, "statistic": "best of the interleaved repeats (median also given)"}
+    return res
+
+
+def overhead_section(res):
+    """Section 1's table and note, from its result alone."""
+    n, batch, best, ratio = res["n"], res["batch"], res["rows_per_s_best"], res["producer_vs_bare_forward"]
     table = md_table(
         ["N x C (fp16)", "batch", "threads", "bare forward rows/s", "producer rows/s",
          "producer_vs_bare_forward", "(medians)", "in-run teacher share", "floor", "verdict"],
-        [[f"{n:,} x {CLASSES}", batch, THREADS, rate(best["bare"]), rate(best["producer"]), f"{ratio:.3f}",
-          f"{ratio_med:.3f}", f"{in_run_best:.3f}", f">= {FLOORS['producer_vs_bare_forward']}",
-          verdict(ratio, FLOORS["producer_vs_bare_forward"])]])
+        [[f"{n:,} x {CLASSES}", batch, res["threads"], rate(best["bare"]), rate(best["producer"]), f"{ratio:.3f}",
+          f"{res['producer_vs_bare_forward_median']:.3f}", f"{res['teacher_share_of_producer_loop_best']:.3f}",
+          f">= {FLOORS['producer_vs_bare_forward']}", verdict(ratio, FLOORS["producer_vs_bare_forward"])]])
     note = (f"rows/s of the timed work loop only (set-up, MXNet import and data load excluded on both sides); "
-            f"each side a fresh process with OMP_NUM_THREADS={THREADS}, best of {p['overhead_repeats']} "
+            f"each side a fresh process with OMP_NUM_THREADS={res['threads']}, best of {res['repeats']} "
             f"interleaved runs (the side going first alternates); the producer fills a fresh cache each run. "
             f"In-run teacher share: make_views + forward time / loop time inside the producer itself (best "
-            f"run: {prod['teacher_s']:.2f} of {loop_s:.2f} s); the rest of its loop is the store. "
-            + busy_text(busy))
-    return res, table, note
+            f"run: {res['producer_teacher_s_best']:.2f} of {res['producer_loop_s_best']:.2f} s); the rest of its "
+            f"loop is the store. " + busy_text(res))
+    return table, note
 
 
 # -- 2. two shards vs one producer ------------------------------------------------------------------
@@ -222,6 +228,20 @@ def bench_shards(root, kids, prefix, dataset_arg, p):
            "two_shard_cache_equal": equal, "two_shard_cache_identical": identical, "checks": checks,
            "two_shard_own_cores_best": own2, **busy,
            "statistic": "best of the interleaved repeats (shortest wall, highest rows/s)"}
+    best1 = min(one_runs, key=lambda x: x["wall_s"])
+    res["one_producer_outside_loop_s"] = best1["wall_s"] - n / best1["rows_per_s"]
+    return res
+
+
+def shards_section(res):
+    """Section 2's table and note, from its result alone."""
+    n, checks, equal, identical = res["n"], res["checks"], res["two_shard_cache_equal"], res["two_shard_cache_identical"]
+    w1, w2, w3 = res["wall_s_best"]["one"], res["wall_s_best"]["two"], res["wall_s_forked_best"]
+    a1, a2 = res["rows_per_s_aggregate_best"]["one"], res["rows_per_s_aggregate_best"]["two"]
+    ratio, ratio_sep, ratio_agg = (res["two_shards_vs_one"], res["two_shards_vs_one_separate_processes"],
+                                   res["two_shards_vs_one_aggregate"])
+    threads, own2, outside = res["threads_per_process"], res["two_shard_own_cores_best"], res["one_producer_outside_loop_s"]
+    best1 = min(res["one_producer_runs"], key=lambda x: x["wall_s"])
     worst = max(checks, key=lambda c: c.get("max_diff_in_float16_steps") or 0)
     table = md_table(
         ["N x C (fp16)", "measure", "one producer", "two shards", "two / one", "floor", "verdict"],
@@ -235,12 +255,9 @@ def bench_shards(root, kids, prefix, dataset_arg, p):
           f">= {FLOORS['two_shards_vs_one_aggregate']}", verdict(ratio_agg, FLOORS["two_shards_vs_one_aggregate"])],
          ["", "2-shard cache complete, logits equal", "", "yes" if equal else "NO", "", "",
           "PASS" if equal else "MISS"]])
-    best1 = min(one_runs, key=lambda x: x["wall_s"])
-    outside = best1["wall_s"] - n / best1["rows_per_s"]
-    res["one_producer_outside_loop_s"] = outside
     note = (f"{n:,} rows read from an .npz file (synthetic images, uint8). "
-            f"`--threads {THREADS}` per process on {os.cpu_count()} CPUs, a fresh cache each run, best of "
-            f"{p['shard_repeats']} interleaved run(s). Wall time includes each process's start-up (MXNet "
+            f"`--threads {threads}` per process on {os.cpu_count()} CPUs, a fresh cache each run, best of "
+            f"{res['repeats']} interleaved run(s). Wall time includes each process's start-up (MXNet "
             f"import, data set load and digest, teacher load: {outside:.1f} s of the single producer's "
             f"{best1['wall_s']:.1f} s were outside its work loop) and the compaction the last shard does; the "
             f"reported rows/s "
@@ -251,5 +268,5 @@ def bench_shards(root, kids, prefix, dataset_arg, p):
             f"{worst.get('max_diff_in_float16_steps') or 0:.0f} float16 step ({worst.get('max_abs_diff') or 0:.2g}); "
             f"equal means within one step, since the teacher's float32 output depends in its last bits on the "
             f"row's position in the batch. "
-            + busy_text(busy))
-    return res, table, note
+            + busy_text(res))
+    return table, note

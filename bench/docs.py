@@ -43,7 +43,6 @@ BENCHMARKS = {
     "bench.recipe": ("bench.recipe.run", "recipe_sweep.json"),
     "bench.ensemble": ("bench.ensemble", "ensemble.json"),
     "bench.codecs_sampled": ("bench.codecs_sampled", "codecs_sampled.json"),
-    "bench.quality": ("bench.quality", "quality.json"),
 }
 
 # block name -> (module, the list of kdcache.args.Option it declares): each command's options with their help

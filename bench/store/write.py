@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from bench.common import Children, md_table, rate, verdict
+from bench.common import md_table, rate, verdict
 from kdcache.store import CacheNotFoundError, CacheReader, CacheSpec, CacheWriter, path_for
 
 BATCH = 256  # rows per write and per gather: a trainer's batch
@@ -64,7 +64,7 @@ def write_once(root, spec, keys, logits):
 
 
 def bench_write_order(root, p, rng):
-    res, rows = {}, []
+    res = {}
     for c, n in sorted(p["write_n"].items()):
         logits = teacher_logits(rng, n, c)
         perm = rng.permutation(n)
@@ -93,18 +93,27 @@ def bench_write_order(root, p, rng):
                         "rows_per_s_best_with_close": best_total, "rows_per_s_best_without_close": best_write,
                         "seconds": {k: [list(t) for t in v] for k, v in times.items()},
                         key: ratio, key + "_without_close": ratio_nc}
-        rows.append([f"{n:,} x {c}", rate(best_total["ordered"]), rate(best_total["shuffled"]), f"{ratio:.2f}",
-                     rate(best_write["ordered"]), rate(best_write["shuffled"]), f"{ratio_nc:.2f}",
-                     f">= {FLOORS[key]}", verdict(ratio, FLOORS[key])])
         del logits, orders
+    return res
+
+
+def write_order_section(res):
+    """Section 3's table and note, from its result alone."""
+    rows = []
+    for r in res.values():
+        n, c, key = r["n"], r["c"], f"shuffled_vs_ordered_write_c{r['c']}"
+        best_total, best_write = r["rows_per_s_best_with_close"], r["rows_per_s_best_without_close"]
+        rows.append([f"{n:,} x {c}", rate(best_total["ordered"]), rate(best_total["shuffled"]), f"{r[key]:.2f}",
+                     rate(best_write["ordered"]), rate(best_write["shuffled"]), f"{r[key + '_without_close']:.2f}",
+                     f">= {FLOORS[key]}", verdict(r[key], FLOORS[key])])
     table = md_table(
         ["N x C (fp16)", "ordered rows/s", "shuffled rows/s", "shuffled/ordered",
          "ordered w/o close", "shuffled w/o close", "ratio w/o close", "floor", "verdict"], rows)
     note = (f"All rows through CacheWriter.write in batches of {BATCH} (each batch flushed: SWMR, durable), "
             f"from opening the writer to close() (which compacts into the key-ordered .h5); 'w/o close' stops "
-            f"after the last write. Best of {p['write_repeats']} interleaved runs, a fresh cache directory each. "
-            f"The verdict uses the figure with close.")
-    return res, table, note
+            f"after the last write. Best of {next(iter(res.values()))['repeats']} interleaved runs, a fresh cache "
+            f"directory each. The verdict uses the figure with close.")
+    return table, note
 
 
 # -- 4. bytes per row ---------------------------------------------------------------------------
@@ -119,7 +128,7 @@ def topk_floor(codec):
 
 def bench_bytes_per_row(root, p, rng):
     n = p["bytes_n"]
-    codec_bytes, disk_bytes, rows = {}, {}, []
+    codec_bytes, disk_bytes = {}, {}
     for c in BYTES_CLASSES:
         logits = teacher_logits(rng, n, c)
         for codec, dtype in CODECS:
@@ -129,6 +138,18 @@ def bench_bytes_per_row(root, p, rng):
             name = f"{codec_name(codec, dtype)}@C={c}"
             codec_bytes[name] = spec.make_codec().bytes_per_row
             disk_bytes[name] = size / n
+        del logits
+    return {"n": n, "bytes_per_row": codec_bytes, "bytes_per_row_on_disk": disk_bytes,
+            "topk_floor": {f"{codec}@C={c}": topk_floor(codec) for c in BYTES_CLASSES
+                           for codec, _ in CODECS if codec.startswith("topk:")}}
+
+
+def bytes_per_row_section(res):
+    """Section 4's table and note, from its result alone."""
+    codec_bytes, disk_bytes, rows = res["bytes_per_row"], res["bytes_per_row_on_disk"], []
+    for c in BYTES_CLASSES:
+        for codec, dtype in CODECS:
+            name = f"{codec_name(codec, dtype)}@C={c}"
             if codec.startswith("topk:"):
                 fl = topk_floor(codec)
                 floor, v = f"<= {fl}", (f"{verdict(codec_bytes[name], fl, False)} / "
@@ -137,15 +158,11 @@ def bench_bytes_per_row(root, p, rng):
                 floor, v = "-", "-"
             rows.append([c, codec_name(codec, dtype), codec_bytes[name], f"{disk_bytes[name]:.2f}",
                          f"{codec_bytes[name] / (4 * c):.3f}", floor, v])
-        del logits
     table = md_table(["C", "codec", "bytes/row (codec)", "bytes/row on disk", "codec vs fp32 full",
                       "floor (4K+8)", "verdict codec / disk"], rows)
-    note = (f"On disk = size of a finished cache file of {n:,} rows / rows; it adds the 1-byte 'done' flag "
+    note = (f"On disk = size of a finished cache file of {res['n']:,} rows / rows; it adds the 1-byte 'done' flag "
             f"per row and the HDF5 metadata to the codec's bytes.")
-    res = {"n": n, "bytes_per_row": codec_bytes, "bytes_per_row_on_disk": disk_bytes,
-           "topk_floor": {f"{codec}@C={c}": topk_floor(codec) for c in BYTES_CLASSES
-                          for codec, _ in CODECS if codec.startswith("topk:")}}
-    return res, table, note
+    return table, note
 
 
 # -- 6. a committed row's visibility to a reader ---------------------------------------------------
@@ -163,13 +180,12 @@ with CacheWriter(sys.argv[1], spec) as w:
 """
 
 
-def bench_visibility(root, p):
-    """How soon a row a producer process commits is visible to a reader in this process."""
+def bench_visibility(root, p, kids):
+    """How soon a row a producer process commits is visible to a reader in this process (its writer one of `kids`)."""
     n = p.get("visibility_rows", 200)
     spec = CacheSpec(num_samples=n, num_classes=8, dtype="float32", inputs={"bench": "visibility"})
     path = path_for(os.path.join(root, "visibility"), spec.fingerprint)
     t0 = time.time()
-    kids = Children()
     writer = kids.start([sys.executable, "-c", VISIBILITY_WRITER, path, str(n), repr(t0)], "visibility writer",
                         timeout=300)
     lat = []
@@ -201,9 +217,14 @@ def bench_visibility(root, p):
     lat_ms = np.array(lat) * 1000
     res = {"rows": int(lat_ms.size), "median_ms": float(np.median(lat_ms)), "p95_ms": float(np.percentile(lat_ms, 95)),
            "max_ms": float(lat_ms.max())}
+    return res
+
+
+def visibility_section(res):
+    """Section 6's table and note, from its result alone."""
     table = md_table(["rows", "median ms", "p95 ms", "max ms"],
                      [[res["rows"], f"{res['median_ms']:.2f}", f"{res['p95_ms']:.2f}", f"{res['max_ms']:.2f}"]])
     note = ("A producer process commits one row every 10 ms (write, flush, then the committed-row count, "
             "flush); this process polls refresh() and measures from the row's hand-over to the writer until "
             "the reader sees it. Includes the writer's two flushes.")
-    return res, table, note
+    return table, note

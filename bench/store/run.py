@@ -1,41 +1,17 @@
-"""Store micro-benchmarks: gathers, write order and bytes per row, each beside its baseline.
-
-    PYTHONPATH=. python -m bench.store [--quick] [--out bench/results/store.json] [--tmp DIR]
-
-Every comparison runs both sides in the same process, interleaved (the side that goes first
-rotates each repeat), and keeps the best of the repeats, so machine noise hits both sides.
-Sections, with the floors the store was built to meet:
-
-1. gather from a cache held in RAM vs numpy fancy indexing on the same array  (ratio >= 0.5)
-2. gather vs one .npy file per sample, torchdistill's old layout              (ratio >= 20)
-3. writes in shuffled training order vs in index order, C=10 and C=1000       (ratio >= 0.5)
-4. bytes per row of each codec, from the codec and measured on disk         (topk:K <= 4K+8)
-5. gather from disk (memory_budget=0), informative only
-6. how soon a row a producer process commits is visible to a reader, informative only
-
-This module is the command (sizes, report); the sections are in bench.store_gather (1, 2, 5)
-and bench.store_write (3, 4, 6), each floor beside the section it judges.
-"""
+"""The store benchmark's command: its sizes and options, the run (six sections) and what it prints."""
 import os
-import sys
 
-if __package__ in (None, ""):  # run as a file (python bench/store.py): import the repo's store/, not this module
-    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-from bench.common import limit_threads  # noqa: E402
+from bench.common import limit_threads
 
 # Before numpy loads: one BLAS/OpenMP thread, so the figures do not depend on the core count.
 limit_threads(os.environ, force=False)
 
-import shutil  # noqa: E402
-import time  # noqa: E402
-
 import numpy as np  # noqa: E402
 
-from bench import store_gather as gather, store_write as write  # noqa: E402
-from bench.common import (floors_line, heading, machine, machine_line, make_log, md_table, rate, for_the_manual,  # noqa: E402
-    scratch_dir, section, utc_now, verdict, write_report)
-from bench.cli import RUN, out_option, parse_args, quick_option, tmp_option  # noqa: E402
+from bench.store import gather, write  # noqa: E402
+from bench.common import (floors_line, heading, machine_line, make_log, md_table, rate, for_the_manual,  # noqa: E402
+                          section, verdict)
+from bench.cli import RUN, out_option, quick_option, tmp_option  # noqa: E402
 from kdcache.args import Int, Option  # noqa: E402
 
 DEFAULT_OUT = os.path.join("bench", "results", "store.json")
@@ -55,8 +31,8 @@ FLOORS = {**gather.FLOORS, **write.FLOORS}
 OPTIONS = [
     quick_option("smaller sizes, under a minute (figures are noisier)"),
     out_option(DEFAULT_OUT),
-    tmp_option("directory for the temporary caches and files (default: the system temp dir); everything written "
-               "there is removed at the end"),
+    tmp_option("directory for the caches and files, the run's folder kept there for inspection (default: a "
+               "temporary folder, removed)"),
     Option("--seed", "seed of the synthetic logits and batches", type=Int(0), default=0, metavar="S", group=RUN),
 ]
 
@@ -97,43 +73,32 @@ def render(report):
             ("", md_table(["measure", "value"], others, pad=False))]
 
 
-def main(argv=None):
-    _, args = parse_args(
-        "python -m bench.store",
-        "kdcache store benchmarks: gather vs numpy and vs one file per sample, shuffled vs ordered writes, bytes per "
-        "row, out-of-core gather. Prints markdown tables and writes a JSON report.", OPTIONS, argv,
-        default_out=DEFAULT_OUT)
+DESCRIPTION = ("kdcache store benchmarks: gather vs numpy and vs one file per sample, shuffled vs ordered writes, "
+               "bytes per row, out-of-core gather. Prints markdown tables and writes a JSON report.")
 
-    p = QUICK if args.quick else FULL
+
+def params(parser, args):
+    """The sizes of a full or a quick run."""
+    return QUICK if args.quick else FULL
+
+
+def run(kids, args, p, root):
+    """The six sections in the scratch folder: the report."""
     rng = np.random.default_rng(args.seed)
-    m = machine()
-    t_start = time.perf_counter()
-    root = scratch_dir(args.tmp, "kdcache-bench-store-")
-    sections = []
-    try:
-        log(f"{'quick' if args.quick else 'full'} run, temp dir {root}")
-        log("1/6 gather vs numpy")
-        r1, t1, n1, ctx = gather.bench_gather_vs_numpy(root, p, rng)
-        sections.append(("1. Gather from a cache in RAM vs numpy fancy indexing", t1, n1))
-        log("2/6 gather vs one file per sample")
-        r2, t2, n2 = gather.bench_vs_per_sample_files(root, p, rng)
-        sections.append(("2. Gather vs one .npy file per sample (torchdistill's old layout)", t2, n2))
-        log("3/6 shuffled vs ordered writes")
-        r3, t3, n3 = write.bench_write_order(root, p, rng)
-        sections.append(("3. Writes in shuffled training order vs index order", t3, n3))
-        log("4/6 bytes per row")
-        r4, t4, n4 = write.bench_bytes_per_row(root, p, rng)
-        sections.append(("4. Bytes per row by codec", t4, n4))
-        log("5/6 out-of-core gather")
-        r5, t5, n5 = gather.bench_out_of_core(p, ctx)
-        sections.append(("5. Out-of-core gather (memory_budget=0)", t5, n5))
-        ctx[2].close()
-        log("6/6 visibility of new rows to a live reader")
-        r6, t6, n6 = write.bench_visibility(root, p)
-        sections.append(("6. A committed row becomes visible to a reader", t6, n6))
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    runtime = time.perf_counter() - t_start
+    log(f"{'quick' if args.quick else 'full'} run, temp dir {root}")
+    log("1/6 gather vs numpy")
+    r1, ctx = gather.bench_gather_vs_numpy(root, p, rng)
+    log("2/6 gather vs one file per sample")
+    r2 = gather.bench_vs_per_sample_files(root, p, rng)
+    log("3/6 shuffled vs ordered writes")
+    r3 = write.bench_write_order(root, p, rng)
+    log("4/6 bytes per row")
+    r4 = write.bench_bytes_per_row(root, p, rng)
+    log("5/6 out-of-core gather")
+    r5 = gather.bench_out_of_core(p, ctx)
+    ctx[2].close()
+    log("6/6 visibility of new rows to a live reader")
+    r6 = write.bench_visibility(root, p, kids)
 
     ratios = {
         "gather_vs_numpy": r1["gather_vs_numpy"],
@@ -148,7 +113,7 @@ def main(argv=None):
             verdicts[f"bytes_per_row {name}"] = verdict(b, write.topk_floor(codec), False)
     floors = {k: {"op": ">=", "value": v} for k, v in FLOORS.items()}
     floors.update({f"bytes_per_row {k}": {"op": "<=", "value": v} for k, v in r4["topk_floor"].items()})
-    report = {
+    return {
         **ratios,
         "gather_vs_numpy_f32": r1["gather_vs_numpy_f32"],
         "gather_vs_numpy_float16_array": r1["gather_vs_numpy_float16_array"],
@@ -172,24 +137,24 @@ def main(argv=None):
         "all_pass": all(v == "PASS" for v in verdicts.values()),
         "sections": {"gather_vs_numpy": r1, "gather_vs_per_sample_files": r2, "write_order": r3,
                      "bytes_per_row": r4, "out_of_core": r5, "visibility": r6},
-        "machine": m,
-        "date": utc_now(),
-        "quick": bool(args.quick),
         "seed": args.seed,
-        "runtime_s": runtime,
     }
 
-    print(heading("kdcache store benchmark", args.quick, runtime))
-    print(machine_line(m) + "\n")
-    for title, table, note in sections:
-        print(section(title, table, note))
-    print(floors_line([k for k, v in verdicts.items() if v != "PASS"]))
+
+SECTIONS = [("1. Gather from a cache in RAM vs numpy fancy indexing", "gather_vs_numpy", gather.gather_vs_numpy_section),
+            ("2. Gather vs one .npy file per sample (torchdistill's old layout)", "gather_vs_per_sample_files",
+             gather.vs_per_sample_files_section),
+            ("3. Writes in shuffled training order vs index order", "write_order", write.write_order_section),
+            ("4. Bytes per row by codec", "bytes_per_row", write.bytes_per_row_section),
+            ("5. Out-of-core gather (memory_budget=0)", "out_of_core", gather.out_of_core_section),
+            ("6. A committed row becomes visible to a reader", "visibility", write.visibility_section)]
+
+
+def show(report):
+    """The six sections and the floors, from the report alone."""
+    print(heading("kdcache store benchmark", report["quick"], report["runtime_s"]))
+    print(machine_line(report["machine"]) + "\n")
+    for title, key, table_and_note in SECTIONS:
+        print(section(title, *table_and_note(report["sections"][key])))
+    print(floors_line([k for k, v in report["verdicts"].items() if v != "PASS"]))
     print("\n" + for_the_manual(render(report)))
-
-    write_report(args.out, report)
-    print(f"Report: {args.out}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -10,7 +10,7 @@ import h5py
 import numpy as np
 
 from bench.common import md_table, rate, verdict
-from bench.store_write import BATCH, build_cache, teacher_logits
+from bench.store.write import BATCH, build_cache, teacher_logits
 from kdcache.store import CacheReader
 
 FLOORS = {"gather_vs_numpy": 0.5, "gather_vs_per_sample_files": 20.0}
@@ -95,19 +95,26 @@ def bench_gather_vs_numpy(root, p, rng):
            "gather_vs_numpy": ratio, "gather_vs_numpy_float16_array": raw16, "gather_vs_numpy_f32": f32,
            "held_dtype": str(held.dtype),
            "ratio_baseline": "numpy_held: arr[batch] on the array the reader holds in RAM"}
+    return res, (spec, path, reader, batches, rps["kdcache"])
+
+
+def gather_vs_numpy_section(res):
+    """Section 1's table and note, from its result alone."""
+    n, c, rps, held, ratio = res["n"], res["c"], res["rows_per_s_best"], res["held_dtype"], res["gather_vs_numpy"]
     table = md_table(
-        ["N x C (fp16)", "kdcache get", f"numpy held[b] ({held.dtype})", "numpy arr16[b]",
+        ["N x C (fp16)", "kdcache get", f"numpy held[b] ({held})", "numpy arr16[b]",
          "numpy arr16[b].astype(f32)", "gather_vs_numpy", "vs arr16[b]", "vs arr16[b].astype(f32)", "floor",
          "verdict"],
         [[f"{n:,} x {c}", rate(rps["kdcache"]), rate(rps["numpy_held"]), rate(rps["numpy_raw"]),
-          rate(rps["numpy_f32"]), f"{ratio:.2f}", f"{raw16:.2f}", f"{f32:.2f}", f">= {FLOORS['gather_vs_numpy']}",
+          rate(rps["numpy_f32"]), f"{ratio:.2f}", f"{res['gather_vs_numpy_float16_array']:.2f}",
+          f"{res['gather_vs_numpy_f32']:.2f}", f">= {FLOORS['gather_vs_numpy']}",
           verdict(ratio, FLOORS["gather_vs_numpy"])]])
-    note = (f"rows/s; {batches.shape[0]} random batches of {BATCH} (shuffled epochs), best of "
-            f"{p['gather_repeats']} interleaved runs. gather_vs_numpy = reader.get vs numpy fancy indexing of "
-            f"the same array the reader holds in RAM ({held.dtype}: a float16 cache is widened once when that fits "
+    note = (f"rows/s; {res['batches']} random batches of {res['batch']} (shuffled epochs), best of "
+            f"{res['repeats']} interleaved runs. gather_vs_numpy = reader.get vs numpy fancy indexing of "
+            f"the same array the reader holds in RAM ({held}: a float16 cache is widened once when that fits "
             f"the memory budget, so get() returns float32 with one gather). Also shown: vs indexing the stored "
             f"float16 array (no float32 output) and vs indexing it then converting to float32 (same output).")
-    return res, table, note, (spec, path, reader, batches, rps["kdcache"])
+    return table, note
 
 
 # -- 2. gather vs one file per sample ------------------------------------------------------------
@@ -154,17 +161,24 @@ def bench_vs_per_sample_files(root, p, rng):
     res = {"n": n, "c": c, "dtype": "float16", "batch": BATCH, "batches_kdcache": int(batches.shape[0]),
            "batches_per_file": int(few.shape[0]), "repeats": p["files_repeats"], "rows_per_s_best": rps,
            "per_file_write_s": write_s, "gather_vs_per_sample_files": ratio, "page_cache": "warm (both sides)"}
+    return res
+
+
+def vs_per_sample_files_section(res):
+    """Section 2's table and note, from its result alone."""
+    n, c, rps, ratio = res["n"], res["c"], res["rows_per_s_best"], res["gather_vs_per_sample_files"]
+    few, many = res["batches_per_file"], res["batches_kdcache"]
     table = md_table(
         ["N x C (fp16)", "kdcache get rows/s", "one .npy per sample rows/s", "gather_vs_per_sample_files",
          "floor", "verdict"],
         [[f"{n:,} x {c}", rate(rps["kdcache"]), rate(rps["per_file"]), f"{ratio:.0f}",
           f">= {FLOORS['gather_vs_per_sample_files']:.0f}", verdict(ratio, FLOORS["gather_vs_per_sample_files"])]])
-    note = (f"Per-sample side: np.save of each float16 row ({n:,} files, written in {write_s:.1f} s), "
-            f"np.load + np.stack + astype(float32) per batch, {few.shape[0]} batches; kdcache side: "
-            f"{batches.shape[0]} batches from the same seeded list (the first {few.shape[0]} are the "
+    note = (f"Per-sample side: np.save of each float16 row ({n:,} files, written in {res['per_file_write_s']:.1f} s), "
+            f"np.load + np.stack + astype(float32) per batch, {few} batches; kdcache side: "
+            f"{many} batches from the same seeded list (the first {few} are the "
             f"per-file batches). Both warm in the page cache (it cannot be dropped here). torchdistill "
             f"saved float32 .pt files with torch.save, which load slower than .npy.")
-    return res, table, note
+    return table, note
 
 
 # -- 5. out-of-core gather ----------------------------------------------------------------------
@@ -181,10 +195,15 @@ def bench_out_of_core(p, gather_ctx):
     res = {"n": spec.num_samples, "c": spec.num_classes, "batches": int(few.shape[0]),
            "repeats": p["ooc_repeats"], "rows_per_s_best": rps, "ms_per_batch_best": 1e3 * t / few.shape[0],
            "in_ram_rows_per_s": in_ram_rps, "in_ram_vs_out_of_core": in_ram_rps / rps}
+    return res
+
+
+def out_of_core_section(res):
+    """Section 5's table and note, from its result alone."""
     table = md_table(["N x C (fp16)", "out-of-core rows/s", "ms / batch", "in-RAM rows/s (section 1)",
                       "in-RAM / out-of-core"],
-                     [[f"{spec.num_samples:,} x {spec.num_classes}", rate(rps), f"{1e3 * t / few.shape[0]:.2f}",
-                       rate(in_ram_rps), f"{in_ram_rps / rps:.0f}x"]])
-    note = (f"CacheReader(memory_budget=0, mmap=False) on the finished .h5 of section 1, {few.shape[0]} of its batches, "
-            f"best of {p['ooc_repeats']}; file warm in the page cache. Informative, no floor.")
-    return res, table, note
+                     [[f"{res['n']:,} x {res['c']}", rate(res["rows_per_s_best"]), f"{res['ms_per_batch_best']:.2f}",
+                       rate(res["in_ram_rows_per_s"]), f"{res['in_ram_vs_out_of_core']:.0f}x"]])
+    note = (f"CacheReader(memory_budget=0, mmap=False) on the finished .h5 of section 1, {res['batches']} of its "
+            f"batches, best of {res['repeats']}; file warm in the page cache. Informative, no floor.")
+    return table, note

@@ -64,3 +64,21 @@ def test_store_imports_no_mxnet_and_nothing_of_the_other_packages():
 
 def in_package(name, pkg):
     return name == pkg or name.startswith(pkg + ".")
+
+
+# The benchmarks moved into a folder each so far; every one of them is to be listed here.
+BENCH_FOLDERS = ("kd", "demand", "producer", "store", "read_scale")
+
+
+def test_every_benchmark_is_a_folder_whose_command_goes_through_bench_main():
+    for name in BENCH_FOLDERS:
+        folder = os.path.join(ROOT, "bench", name)
+        for part in ("__init__.py", "run.py", "__main__.py"):
+            assert os.path.isfile(os.path.join(folder, part)), f"bench/{name}/{part} is missing"
+        assert not os.path.exists(os.path.join(ROOT, "bench", name + ".py")), f"bench/{name}.py beside its folder"
+        main = ast.parse(open(os.path.join(folder, "__main__.py")).read())
+        calls = {n.func.id for n in ast.walk(main) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+        assert "bench_main" in calls, f"bench/{name}/__main__.py does not call bench.cli.bench_main"
+        # the folder's __init__ imports nothing: a child (python -m bench.NAME.children) loads only its own part
+        init = ast.parse(open(os.path.join(folder, "__init__.py")).read())
+        assert ast.get_docstring(init) and not any(isinstance(n, (ast.Import, ast.ImportFrom)) for n in init.body), name

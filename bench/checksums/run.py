@@ -13,7 +13,7 @@ import numpy as np  # noqa: E402
 
 from bench.cli import RUN, out_option, quick_option, tmp_option  # noqa: E402
 from bench.common import floors_line, heading, machine, machine_line, md_table, rate, section, verdict  # noqa: E402
-from bench.read_scale_sections import evict, read_through  # noqa: E402
+from bench.read_scale.sections import evict, read_through  # noqa: E402
 from kdcache.args import Int, Option  # noqa: E402
 from kdcache.store import CacheReader, CacheSpec, CacheWriter, path_for  # noqa: E402
 from kdcache.store import checksums  # noqa: E402

@@ -1,47 +1,20 @@
-"""Reading a finished cache at ImageNet-1k size: the memory-mapped reader beside today's RAM path and numpy.
-
-    PYTHONPATH=. python -m bench.read_scale [--quick] [--out bench/results/read_scale.json] [--tmp DIR]
-
-One run, every comparison side by side (the sizes: 1,281,167 rows x 1000 classes, full float16,
-2.56 GB; --quick: 100,000 rows):
-
-1. write the cache through CacheWriter (shuffled order, batches of 256) and compact it: rows/s, seconds
-2. open the same file mapped (CacheReader's default) vs today's RAM path (mmap=False, float32)
-3. random gathers of 256 rows, page cache warm: reader.get on the map vs numpy fancy indexing of
-   the same float16 array in RAM, with and without the float32 conversion; and today's reader
-                                                                   floor: map >= 0.5 x numpy (both float32)
-4. memory of 4 reader processes gathering one random epoch each from the one file: the sum of their
-   proportional set sizes (Pss) while all are alive, vs the file size; the same with mmap=False
-   (as many as the memory holds)                                   floor: map <= 1.25 x the file
-5. the first epoch after the file's pages were dropped from the page cache (no root needed:
-   fsync + POSIX_FADV_DONTNEED, checked with mincore): random and key order through the map
-6. a cache of several views, sized to the free disk (20 GB kept free): open, gathers (map vs
-   mmap=False, which falls back to reads from disk when the cache does not fit the memory budget),
-   and the Pss of 4 mapped readers
-
-Reader processes (bench.read_scale_children) import numpy, h5py and store only. Everything
-written under --tmp is removed at the end.
-"""
+"""The read_scale benchmark's command: its sizes and options, the run (six sections) and what it prints."""
 import os
-import sys
 
-if __package__ in (None, ""):  # run as a file: import the repo's packages, not this directory's
-    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-from bench.common import limit_threads  # noqa: E402
+from bench.common import limit_threads
 
 limit_threads(os.environ, force=False)  # before numpy loads: one BLAS/OpenMP thread
 
 import shutil  # noqa: E402
-import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from bench import read_scale_sections as S  # noqa: E402
-from bench.common import (busy_warning, cpu_between, cpu_snapshot, floors_line, heading, machine,  # noqa: E402
-    machine_line, md_table, rate, for_the_manual, scratch_dir, section, utc_now, verdict, write_report)
-from bench.cli import RUN, out_option, parse_args, quick_option, tmp_option  # noqa: E402
+from bench.read_scale import sections as S  # noqa: E402
+from bench.common import (BenchError, busy_warning, cpu_between, cpu_snapshot, floors_line, heading,  # noqa: E402
+                          machine_line, md_table, rate, for_the_manual, section, verdict)
+from bench.cli import RUN, out_option, quick_option, tmp_option  # noqa: E402
 from kdcache.args import Int, Option  # noqa: E402
+from kdcache.store import path_for  # noqa: E402
 
 DEFAULT_OUT = os.path.join("bench", "results", "read_scale.json")
 IMAGENET = 1_281_167
@@ -54,7 +27,8 @@ OPTIONS = [
     quick_option("100,000 rows and 3 views instead of ImageNet-1k's 1,281,167 and up to 10: well under a minute"),
     out_option(DEFAULT_OUT),
     tmp_option("directory for the caches (default: the system temp dir; a full run writes as many views, up to 10, "
-               "as leave 20 GB free there); everything written there is removed at the end"),
+               "as leave 20 GB free there), the run's folder kept there (each cache removed once measured; default: "
+               "a temporary folder, removed)"),
     Option("--rows", "samples in the cache (default 1,281,167; --quick 100,000)", type=Int(1000), metavar="N",
            group=RUN),
     Option("--classes", "logits per row (default 1000)", type=Int(3), metavar="C", group=RUN),
@@ -121,9 +95,9 @@ def render(report):
                           pad=False))]
 
 
-def run(args, p, root, rng, sections, busy):
-    """The six sections; fills `sections` with (title, table, note). Returns the report's measured part."""
-    n, c, cpu = p["rows"], p["classes"], f"1 thread, {machine()['cpu_model'] or 'this CPU'}"
+def measure(args, p, root, rng, busy):
+    """The six sections' measurements: the report's measured part. Other processes' CPU use per section into `busy`."""
+    n, c = p["rows"], p["classes"]
     spec = S.make_spec(n, c, 1, "one view")
     pool = S.make_pool(rng, c)
 
@@ -137,25 +111,58 @@ def run(args, p, root, rng, sections, busy):
     free = shutil.disk_usage(root).free
     need = S.write_peak(n * c * 2)
     if need > free - S.keep_free(free):
-        raise RuntimeError(f"bench: writing {n:,} x {c} needs {need / S.GB:.1f} GB of disk, {free / S.GB:.1f} GB "
-                           f"is free on {root}: pass --tmp on a larger disk, or --rows")
+        raise BenchError(f"bench: writing {n:,} x {c} needs {need / S.GB:.1f} GB of disk, {free / S.GB:.1f} GB "
+                         f"is free on {root}: pass --tmp on a larger disk, or --rows")
     if args.views:  # refused now, not after five sections
         S.choose_views(n, c, free, args.views, p["max_views"])
     step(1, f"writing {n:,} x {c} (full float16) in shuffled order")
     path, wr = S.write_cache(root, spec, pool, rng.permutation(n), p["write_batch"], "one-view")
-    size = wr["file_bytes"]
-    sections.append(("1. Writing the cache through CacheWriter", md_table(
-        ["N x C (full float16)", "write order, rows a write", "write rows/s", "compaction s", "rows/s with close",
-         "file"],
-        [[f"{n:,} x {c}", f"shuffled, {p['write_batch']}", rate(wr["rows_per_s"]), fmt_s(wr["compaction_s"]),
-          rate(wr["rows_per_s_with_close"]), fmt_gb(size)]]),
-        f"Every row through CacheWriter.write (each batch flushed: SWMR, durable), then close(), which compacts the "
-        f"segment into the key-ordered {os.path.basename(path)}.h5. Logits: {S.POOL} random rows tiled over the keys, "
-        f"each key written into 3 columns. {cpu}."))
 
     step(2, "open: mapped vs RAM")
     op, ram = S.bench_open(path, spec, p["open_repeats"])
-    sections.append(("2. Opening the finished file", md_table(
+
+    step(3, "warm gathers: map vs numpy in RAM")
+    g = S.bench_gather(path, spec, pool, ram, p, rng)
+    if ram is not None:
+        ram.close()
+        del ram
+
+    step(4, f"{args.readers} reader processes: mapped, then mmap=False")
+    mem = {"map": S.bench_readers(root, path, "map", args.readers, args.seed)}
+    k = S.ram_readers_that_fit(spec, args.readers)
+    mem["ram"] = S.bench_readers(root, path, "ram", k, args.seed, S.ram_budget(spec)) if k else None
+
+    step(5, "cold epochs from disk")
+    cold = S.bench_cold(path, spec, rng, p["cold_rows"])
+    shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+
+    free = shutil.disk_usage(root).free
+    mv_rows, views, why = S.choose_views(n, c, free, args.views or p["views"], p["max_views"])
+    mv = None
+    step(6, f"multi-view cache: {why}")
+    if views:
+        mv = S.bench_multiview(root, mv_rows, views, c, pool, p, rng, args.readers, args.seed)
+    busy.append(cpu_between(step.snap, cpu_snapshot())["other_cores"])
+    return {"rows": n, "classes": c, "file_bytes": wr["file_bytes"], "write": wr, "open": op, "gather": g,
+            "readers": mem, "cold": cold, "multiview": mv, "multiview_choice": why}
+
+
+def sections(report):
+    """The six sections' (title, table, note), from the report alone."""
+    n, c, size, wr = report["rows"], report["classes"], report["file_bytes"], report["write"]
+    op, g, mem, cold, mv = report["open"], report["gather"], report["readers"], report["cold"], report["multiview"]
+    readers, spec = report["readers_asked"], S.make_spec(n, c, 1, "one view")
+    cpu = f"1 thread, {report['machine']['cpu_model'] or 'this CPU'}"
+    out = [("1. Writing the cache through CacheWriter", md_table(
+        ["N x C (full float16)", "write order, rows a write", "write rows/s", "compaction s", "rows/s with close",
+         "file"],
+        [[f"{n:,} x {c}", f"shuffled, {wr['batch']}", rate(wr["rows_per_s"]), fmt_s(wr["compaction_s"]),
+          rate(wr["rows_per_s_with_close"]), fmt_gb(size)]]),
+        f"Every row through CacheWriter.write (each batch flushed: SWMR, durable), then close(), which compacts the "
+        f"segment into the key-ordered {os.path.basename(path_for('', spec.fingerprint))}.h5. Logits: {S.POOL} random "
+        f"rows tiled over the keys, each key written into 3 columns. {cpu}.")]
+
+    out.append(("2. Opening the finished file", md_table(
         ["reader", "source", "open s", "RAM path / map"],
         [["CacheReader(path) (mapped)", "map", f"{fmt_s(op['map_s_best'])} (best of {len(op['map_s'])})", ""],
          ["CacheReader(path, mmap=False)", op.get("ram_source", "-"),
@@ -164,14 +171,9 @@ def run(args, p, root, rng, sections, busy):
         f"Same file, page cache warm. The RAM path reads it whole, widening float16 to float32 "
         f"(held {op.get('ram_held_dtype')}); the map reads nothing at open. {cpu}."))
 
-    step(3, "warm gathers: map vs numpy in RAM")
-    g = S.bench_gather(path, spec, pool, ram, p, rng)
-    if ram is not None:
-        ram.close()
-        del ram
     rps = g["rows_per_s_best"]
     fl = S.FLOORS["map_vs_numpy_gather"][1]
-    sections.append(("3. Random gathers, page cache warm", md_table(
+    out.append(("3. Random gathers, page cache warm", md_table(
         ["N x C (fp16)", "map get (f32)", "numpy a16[b].astype(f32)", "map / numpy f32", "map raw a16[b]",
          "numpy a16[b]", "raw map / numpy", "today's reader (RAM f32)", "map / today", "floor", "verdict"],
         [[f"{n:,} x {c}", rate(rps["map_get"]), rate(rps["numpy_f32"]), f"{g['map_vs_numpy_gather']:.2f}",
@@ -182,10 +184,6 @@ def run(args, p, root, rng, sections, busy):
         f"runs after a warm-up round. numpy: the file's float16 logits read into one array in RAM (np.fromfile at "
         f"the dataset's offset); 'raw' sides return float16 (no conversion). Rows checked equal on all sides. {cpu}."))
 
-    step(4, f"{args.readers} reader processes: mapped, then mmap=False")
-    mem = {"map": S.bench_readers(root, path, "map", args.readers, args.seed)}
-    k = S.ram_readers_that_fit(spec, args.readers)
-    mem["ram"] = S.bench_readers(root, path, "ram", k, args.seed, S.ram_budget(spec)) if k else None
     fl4 = S.FLOORS["pss_map_vs_file"][1]
     rows4 = []
     for mode, m in mem.items():
@@ -198,19 +196,18 @@ def run(args, p, root, rng, sections, busy):
                       rate(float(np.mean(m["epoch_rows_per_s"]))),
                       f"<= {fl4}" if mode == "map" else "", verdict(m["pss_vs_file"], fl4, False) if mode == "map"
                       else ""])
-    ram_note = "" if mem["ram"] is None or mem["ram"]["processes"] == args.readers else (
-        f" mmap=False ran {mem['ram']['processes']} processes, not {args.readers}: each holds "
+    ram_note = "" if mem["ram"] is None or mem["ram"]["processes"] == readers else (
+        f" mmap=False ran {mem['ram']['processes']} processes, not {readers}: each holds "
         f"{fmt_gb(S.ram_budget(spec))} and no more fit the memory available (keeping 1.5 GiB free).")
-    sections.append((f"4. Memory of {args.readers} reader processes on one file ({fmt_gb(size)})", md_table(
+    out.append((f"4. Memory of {readers} reader processes on one file ({fmt_gb(size)})", md_table(
         ["reader", "processes", "source", "Pss sum", "x file", "of it: cache map", "of it: anon",
          "Pss before open (sum)", "net x file", "epoch rows/s each", "floor", "verdict"], rows4),
         f"Each process opens CacheReader, gathers every row once in a random order (batches of {S.BATCH}), then "
         f"waits; Pss (/proc/PID/smaps_rollup) is read while all are alive. 'cache map' is the Pss of their maps of "
         f"the file (shared pages count once in the sum); 'before open' is the interpreter with numpy, h5py and store "
-        f"imported (no MXNet), and 'net' the Pss sum less it: what the readers add.{ram_note} {cpu}, the processes sharing {os.cpu_count()} cores."))
+        f"imported (no MXNet), and 'net' the Pss sum less it: what the readers add.{ram_note} {cpu}, the processes "
+        f"sharing {report['machine']['cpus']} cores."))
 
-    step(5, "cold epochs from disk")
-    cold = S.bench_cold(path, spec, rng, p["cold_rows"])
     names = {"random": "map, random order", "sequential": "map, key order",
              "random_no_readahead": "map, random order, no read-ahead (MADV_RANDOM on the map)",
              "random_read_first": "map, random order, after one plain read of the file"}
@@ -223,7 +220,7 @@ def run(args, p, root, rng, sections, busy):
     if cold["ram_open"]:
         rows5.append(["mmap=False (reads it all at open)", f"{cold['ram_open']['resident_after_evict']:.1%}",
                       fmt_s(cold["ram_open"]["open_s"]), "", "", fmt_s(cold["ram_open"]["open_s"]), ""])
-    sections.append(("5. The first epoch from disk (page cache dropped)", md_table(
+    out.append(("5. The first epoch from disk (page cache dropped)", md_table(
         ["reader", "file resident before", "open s", "epoch s", "rows/s", "total s", "resident after"], rows5),
         f"Before each line the file's pages are dropped (fsync, POSIX_FADV_DONTNEED; no process maps it) and the "
         f"share still resident is measured with mincore. One epoch = {cold['rows']:,} rows"
@@ -231,16 +228,10 @@ def run(args, p, root, rng, sections, busy):
         f"includes the plain read where one comes first. The reader leaves the kernel's default read-ahead on its "
         f"map; the third line turns it off (MADV_RANDOM) on the same map. A VM's "
         f"host may cache the disk below the guest: 'cold' means not in this machine's page cache. {cpu}."))
-    shutil.rmtree(os.path.dirname(path), ignore_errors=True)
 
-    free = shutil.disk_usage(root).free
-    mv_rows, views, why = S.choose_views(n, c, free, args.views or p["views"], p["max_views"])
-    mv = None
-    step(6, f"multi-view cache: {why}")
-    if views:
-        mv = S.bench_multiview(root, mv_rows, views, c, pool, p, rng, args.readers, args.seed)
-        mr = mv["readers"]
-        sections.append((f"6. A cache of {views} views ({fmt_gb(mv['write']['file_bytes'])})", md_table(
+    if mv:
+        mr, why, views, mv_rows = mv["readers"], report["multiview_choice"], mv["views"], mv["rows"]
+        out.append((f"6. A cache of {views} views ({fmt_gb(mv['write']['file_bytes'])})", md_table(
             ["N x V x C", "file", "write rows/s", "compaction s", "map open s", "map get rows/s",
              "mmap=False source", "mmap=False rows/s", "map / mmap=False", f"Pss of {mr['processes']} mapped readers",
              "x file"],
@@ -248,44 +239,39 @@ def run(args, p, root, rng, sections, busy):
               fmt_s(mv["write"]["compaction_s"]), fmt_s(min(mv["map_open_s"])), rate(mv["map_rows_per_s"]),
               mv["other_source"], rate(mv["other_rows_per_s"]), f"{mv['map_vs_other']:.1f}",
               fmt_gb(mr["pss_sum"]), f"{mr['pss_vs_file']:.2f}"]]),
-            f"{why}. Written in key order, {p['mv_write_batch']} rows a write (set-up). Gathers: {mv['batches']} random "
-            f"batches of {S.BATCH} (sample, view) keys from the map ({mv['resident_before_gather']:.0%} of the file in "
-            f"the page cache before{'' if mv['resident_before_gather'] >= 0.9 else ': one round, partly from disk'}), "
+            f"{why}. Written in key order, {mv['write']['batch']} rows a write (set-up). Gathers: {mv['batches']} "
+            f"random batches of {S.BATCH} (sample, view) keys from the map ({mv['resident_before_gather']:.0%} of the "
+            f"file in the page cache before"
+            f"{'' if mv['resident_before_gather'] >= 0.9 else ': one round, partly from disk'}), "
             f"{mv['other_batches']} from CacheReader(mmap=False), which reads from RAM only when the cache fits its "
             f"memory budget (half the available memory). Each reader process gathers "
             f"{'every key once' if mr['each_reads'] == 'every key' else 'every sample once in one view (i mod V)'}. "
             f"{cpu}."))
-    busy.append(cpu_between(step.snap, cpu_snapshot())["other_cores"])
-    return {"rows": n, "classes": c, "file_bytes": size, "write": wr, "open": op, "gather": g, "readers": mem,
-            "cold": cold, "multiview": mv, "multiview_choice": why}
+    return out
 
 
-def main(argv=None):
-    _, args = parse_args(
-        "python -m bench.read_scale",
-        "Reading a finished kdcache cache at ImageNet-1k size: the memory-mapped reader vs today's RAM path and "
-        "numpy (open, gathers warm and cold, memory of several reader processes). Prints markdown tables and writes "
-        "a JSON report.", OPTIONS, argv, default_out=DEFAULT_OUT)
+DESCRIPTION = ("Reading a finished kdcache cache at ImageNet-1k size: the memory-mapped reader vs today's RAM path "
+               "and numpy (open, gathers warm and cold, memory of several reader processes). Prints markdown tables "
+               "and writes a JSON report.")
+
+
+def params(parser, args):
+    """The sizes of a full or a quick run, --rows and --classes over them."""
     p = dict(QUICK if args.quick else FULL)
     p.update({k: getattr(args, k) for k in ("rows", "classes") if getattr(args, k) is not None})
-    rng = np.random.default_rng(args.seed)
-    m = machine()
-    t_start = time.perf_counter()
-    root = scratch_dir(args.tmp, "kdcache-bench-read-scale-")
-    sections, busy = [], []
-    try:
-        log(f"{'quick' if args.quick else 'full'} run, {p['rows']:,} x {p['classes']}, temp dir {root}")
-        res = run(args, p, root, rng, sections, busy)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    runtime = time.perf_counter() - t_start
+    return p
 
+
+def run(kids, args, p, root):
+    """The six sections in the scratch folder: the report (its reader processes are started by the sections)."""
+    log(f"{'quick' if args.quick else 'full'} run, {p['rows']:,} x {p['classes']}, temp dir {root}")
+    busy = []
+    res = measure(args, p, root, np.random.default_rng(args.seed), busy)
     ratios = {"map_vs_numpy_gather": res["gather"]["map_vs_numpy_gather"],
               "pss_map_vs_file": res["readers"]["map"]["pss_vs_file"]}
     verdicts = {k: verdict(v, S.FLOORS[k][1], S.FLOORS[k][0] == ">=") for k, v in ratios.items()}
     ram = res["readers"]["ram"]
-    worst = max((b for b in busy if b is not None), default=None)
-    report = {
+    return {
         **ratios,
         "pss_ram_vs_file": ram["pss_vs_file"] if ram else None,
         "ram_readers": ram["processes"] if ram else 0,
@@ -296,23 +282,19 @@ def main(argv=None):
         "floors": {k: {"op": op, "value": v} for k, (op, v) in S.FLOORS.items()},
         "verdicts": verdicts,
         "all_pass": all(v == "PASS" for v in verdicts.values()),
-        "other_cores_worst": worst,
-        "machine": m, "date": utc_now(), "quick": bool(args.quick), "seed": args.seed, "readers_asked": args.readers,
-        "runtime_s": runtime,
+        "other_cores_worst": max((b for b in busy if b is not None), default=None),
+        "seed": args.seed, "readers_asked": args.readers,
     }
-    print(heading("kdcache: reading a finished cache at scale", args.quick, runtime))
-    print(machine_line(m) + "\n")
-    warn = busy_warning(worst, "this run")
+
+
+def show(report):
+    """The six sections and the floors, from the report alone."""
+    print(heading("kdcache: reading a finished cache at scale", report["quick"], report["runtime_s"]))
+    print(machine_line(report["machine"]) + "\n")
+    warn = busy_warning(report["other_cores_worst"], "this run")
     if warn:
         print(warn)
-    for title, table, note in sections:
+    for title, table, note in sections(report):
         print(section(title, table, note))
-    print(floors_line([k for k, v in verdicts.items() if v != "PASS"]))
+    print(floors_line([k for k, v in report["verdicts"].items() if v != "PASS"]))
     print("\n" + for_the_manual(render(report)))
-    write_report(args.out, report)
-    print(f"Report: {args.out}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

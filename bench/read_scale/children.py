@@ -1,6 +1,6 @@
 """A reader process of bench.read_scale: open a finished cache, gather one random epoch, wait to be measured.
 
-    python -m bench.read_scale_children --path P --mode map|ram --sync DIR [--seed S] [--memory-budget BYTES] [--view V]
+    python -m bench.read_scale.children --path P --mode map|ram --sync DIR [--seed S] [--memory-budget BYTES] [--view V]
 
 It opens CacheReader(P) (mode map: the default, memory-mapped; ram: mmap=False, the cache read
 into RAM within --memory-budget), gathers every key once in a random order (--view: every sample
@@ -94,7 +94,7 @@ def child(path, mode, sync, seed, memory_budget, wait_s, view):
     release = os.path.join(sync, "release")
     while not os.path.exists(release):  # the reader stays open: the parent reads our memory now
         if time.monotonic() > deadline:
-            print(f"bench.read_scale_children: no {release} after {wait_s:.0f} s; giving up", file=sys.stderr)
+            print(f"bench.read_scale.children: no {release} after {wait_s:.0f} s; giving up", file=sys.stderr)
             return 1
         time.sleep(0.02)
     reader.close()
@@ -116,7 +116,7 @@ OPTIONS = [
 
 
 def main(argv=None):
-    p, args = parse_args("python -m bench.read_scale_children", __doc__.split("\n\n")[0], OPTIONS, argv)
+    p, args = parse_args("python -m bench.read_scale.children", __doc__.split("\n\n")[0], OPTIONS, argv)
     for flag, v in (("--path", args.path), ("--sync", args.sync)):
         if v is None:
             p.error(f"argument {flag}: required")

@@ -10,8 +10,8 @@ import h5py
 import numpy as np
 
 from bench.common import Children, make_log, python_m
-from bench.read_scale_children import BATCH, mapping_pss, smaps_rollup
-from bench.store_gather import epoch_batches, timed_rounds
+from bench.read_scale.children import BATCH, mapping_pss, smaps_rollup
+from bench.store.gather import epoch_batches, timed_rounds
 from kdcache.store import CacheReader, CacheSpec, CacheWriter, path_for
 from kdcache.store.osutil import available_memory
 
@@ -210,7 +210,7 @@ def bench_gather(path, spec, pool, ram, p, rng):
 
 # -- 4. memory of several reader processes ------------------------------------------------------------
 def bench_readers(root, path, mode, count, seed, memory_budget=None, views=None, timeout=1800):
-    """`count` reader processes (bench.read_scale_children) each gather every key of the cache once (views=V:
+    """`count` reader processes (bench.read_scale.children) each gather every key of the cache once (views=V:
     reader i every sample once in view i mod V); while all are alive, their Pss (/proc/PID/smaps_rollup) and
     the Pss of their maps of the file are read."""
     final = path + ".h5"
@@ -219,7 +219,7 @@ def bench_readers(root, path, mode, count, seed, memory_budget=None, views=None,
     kids, started = Children(), []
     try:
         for i in range(count):
-            argv = python_m("bench.read_scale_children", "--path", path, "--mode", mode, "--sync", sync,
+            argv = python_m("bench.read_scale.children", "--path", path, "--mode", mode, "--sync", sync,
                             "--seed", seed + i, *(("--memory-budget", memory_budget) if memory_budget else ()),
                             *(("--view", i % views) if views else ()))
             started.append(kids.start(argv, f"reader {mode} {i}", timeout=timeout))

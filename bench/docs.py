@@ -36,13 +36,13 @@ BENCHMARKS = {
     "bench.store": ("bench.store.run", "store.json"),
     "bench.read_scale": ("bench.read_scale.run", "read_scale.json"),
     "bench.producer": ("bench.producer.run", "producer.json"),
-    "bench.codecs": ("bench.codecs_report", "codecs.json"),
+    "bench.codecs": ("bench.codecs.report", "codecs.json"),
     "bench.distill": ("bench.distill.run", "distill.json"),
     "bench.sizing": ("bench.sizing.run", "sizing.json"),
     "bench.decode": ("bench.decode.run", "decode.json"),
     "bench.recipe": ("bench.recipe.run", "recipe_sweep.json"),
-    "bench.ensemble": ("bench.ensemble", "ensemble.json"),
-    "bench.codecs_sampled": ("bench.codecs_sampled", "codecs_sampled.json"),
+    "bench.ensemble": ("bench.ensemble.run", "ensemble.json"),
+    "bench.codecs_sampled": ("bench.codecs.sampled", "codecs_sampled.json"),
 }
 
 # block name -> (module, the list of kdcache.args.Option it declares): each command's options with their help

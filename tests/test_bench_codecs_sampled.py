@@ -1,9 +1,9 @@
-"""bench.codecs_sampled's tables: each data set's full runs shown with their paired differences, and a quick
+"""bench.codecs.sampled's tables: each data set's full runs shown with their paired differences, and a quick
 run's rows only where no full run of the same data set and temperature supersedes them."""
 import copy
 import json
 
-from bench.codecs_sampled import DEFAULT_REPORT, render, runs_line
+from bench.codecs.sampled import DEFAULT_REPORT, render, runs_line
 
 
 def report_with(full):

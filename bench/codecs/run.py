@@ -1,48 +1,15 @@
-"""Which soft-target codec keeps the teacher's knowledge? Each codec against the teacher's logits, and in a student.
-
-    python -m bench.codecs [--quick] [--datasets digits,mnist5k,synthetic] [--seeds 5] [--jobs 2]
-
-For each data set (digits, mnist5k, and a synthetic 1000-class case) the teacher fills one cache
-per codec (`python -m kdcache.cache_builder`, offline): full float32 (the teacher's exact logits), full
-float16, topk:1, topk:5, topk:10 (only where K < C), int8, and sampled:9 and sampled:16 beside the
-topk:5 and topk:10 of equal bytes per row (only where those run). Each cache is read back through
-the store and compared with the exact logits: bytes per row, mean T^2 * KL(teacher || rebuilt)
-at T = 1, 4 and 20 (for top-K beside the ideal top-K with an even tail made from the exact
-logits, and their ratio), top-1 agreement. Then the same student (`python -m kdcache.trainer`, mlp128,
-the README's digits setting: T = 20, alpha = 0.5, Adam lr 1e-2, batch 64) is trained from each
-cache with seeds 0..N-1 (5; 10 on mnist5k) and the same budget, beside the student from scratch (no
-teacher); on mnist5k every student sees 8 views shifted by up to 2 pixels (a cache per seed: the
-views are keyed by the seed), and it also trains with the teacher inline, for the Hinton-style
-table (teacher, scratch, inline, cache, teacher forwards, and the fraction of the scratch-to-teacher
-gap distillation closes).
-
-The synthetic case is synthetic:n=10000,classes=1000,shape=1x4x4: class prototypes plus Gaussian
-noise (pipeline.datasets). Its teacher is that generator's own posterior, a fixed linear map
-(bench.codec_metrics.posterior_teacher), not a network trained here: it knows more than the
-student's 10 samples per class can show (as a teacher trained on far more data would), its
-soft targets are the true class probabilities, and its accuracy (~64%) is the best any model can
-reach on this data. A random linear teacher would know nothing of the labels.
-
-Every MXNet process is a child with one compute thread (OMP_NUM_THREADS=1, --threads 1); --jobs
-of them run at once. Accuracies do not depend on other load; run times do. Full run ~15-25 min on
-2 cores, --quick (1 seed, a few epochs) ~2-3 min.
-"""
+"""Which soft-target codec keeps the teacher's knowledge: the runs and the report (python -m bench.codecs)."""
 import os
-import sys
 
-if __package__ in (None, ""):  # run as a file: import the repository's packages
-    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-from bench.common import limit_threads  # noqa: E402
+from bench.common import limit_threads
 
 limit_threads(os.environ)  # before anything loads MXNet or BLAS: one compute thread here, as in every child
 
 import shutil  # noqa: E402
 import time  # noqa: E402
 
-from bench.cli import RUN, like, out_option, parse_args, quick_option, tmp_option, trainer_option  # noqa: E402
-from bench.common import (command_line, cpu_between, cpu_snapshot, machine, make_log, python_m,  # noqa: E402
-                          run_in_scratch, spread, utc_now, write_report)
+from bench.cli import RUN, like, out_option, quick_option, tmp_option, trainer_option  # noqa: E402
+from bench.common import make_log, python_m, spread  # noqa: E402
 from kdcache.args import Allowed, Int, Option, Path, fail  # noqa: E402
 
 DEFAULT_OUT = os.path.join("bench", "results", "codecs.json")
@@ -148,7 +115,7 @@ def teachers(kids, args, names, work):
     for name in names:
         arg, default, _, _ = DATASETS[name]
         if default is None:
-            from bench.codec_metrics import posterior_teacher
+            from bench.codecs.metrics import posterior_teacher
             prefix = os.path.join(work, "teachers", name)
             os.makedirs(os.path.dirname(prefix), exist_ok=True)
             posterior_teacher(prefix, SYNTHETIC["classes"], SYNTHETIC["shape"], SYNTHETIC["seed"])
@@ -220,7 +187,7 @@ def read_all(path):
 
 def distances(name, fills):
     """Per codec: bytes per row, T^2 * KL to the exact logits (and the ideal top-K), top-1 agreement."""
-    from bench.codec_metrics import codec_distances
+    from bench.codecs.metrics import codec_distances
     z, _, n = read_all(fills[EXACT]["cache_path"])
     out = {}
     for label, res in fills.items():
@@ -242,7 +209,7 @@ def summary(results):
             "wall_s": [round(m["_wall_s"], 1) for m in results]}
 
 
-def run(kids, args, p, work):
+def measure(kids, args, p, work):
     names = p["datasets"]
     caches = os.path.join(work, "caches")
     t0 = time.perf_counter()
@@ -328,29 +295,24 @@ def run(kids, args, p, work):
     return report
 
 
-def main(argv=None):
-    from bench.codecs_report import floors, hinton, print_report
-    ap, args = parse_args("python -m bench.codecs", __doc__.split("\n\n")[0], OPTIONS, argv, default_out=DEFAULT_OUT)
+def params(ap, args):
     if args.teachers is not None and not os.path.isdir(args.teachers):
         ap.error(f"argument --teachers: {args.teachers} is not a folder")
-    p = {"datasets": args.datasets or tuple(DATASETS), "seeds": args.seeds,
-         "jobs": args.jobs or len(os.sched_getaffinity(0)),
-         "temperature": STUDENT["temperature"] if args.temperature is None else args.temperature,
-         "alpha": STUDENT["alpha"] if args.alpha is None else args.alpha}
-    t_start, snap = time.perf_counter(), cpu_snapshot()
-    report = run_in_scratch(args, "kdcache-codecs-", run, p)
-    if report is None:
-        return 2
-    report.update(runtime_s=round(time.perf_counter() - t_start, 1), cpu=cpu_between(snap, cpu_snapshot()),
-                  quick=bool(args.quick), machine=machine(mxnet=True, omp_num_threads=1), date=utc_now(),
-                  command=command_line("python -m bench.codecs", argv))
+    return {"datasets": args.datasets or tuple(DATASETS), "seeds": args.seeds,
+            "jobs": args.jobs or len(os.sched_getaffinity(0)),
+            "temperature": STUDENT["temperature"] if args.temperature is None else args.temperature,
+            "alpha": STUDENT["alpha"] if args.alpha is None else args.alpha}
+
+
+def run(kids, args, p, work):
+    from bench.codecs.report import floors, hinton
+    report = measure(kids, args, p, work)
+    report["quick"] = bool(args.quick)
     report["floors"] = floors(report)
     report["hinton"] = hinton(report)
+    return report
+
+
+def show(report):
+    from bench.codecs.report import print_report
     print_report(report)
-    write_report(args.out, report)
-    print(f"Report: {args.out}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

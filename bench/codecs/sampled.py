@@ -1,6 +1,6 @@
 """sampled:K against topk:K at equal bytes: the tables of bench/results/codecs_sampled.json, bench.codecs runs gathered.
 
-    python -m bench.codecs_sampled [REPORT]     print the tables (default bench/results/codecs_sampled.json)
+    python -m bench.codecs.sampled [REPORT]     print the tables (default bench/results/codecs_sampled.json)
 
 The report holds bench.codecs reports, one per temperature (a run distils at one -T): "runs" the quick ones
 (mnist5k and the synthetic 1,000-class case, T = 1, 4, 20), "full_NAME" the full ones on data set NAME
@@ -14,11 +14,8 @@ import json
 import os
 import sys
 
-if __package__ in (None, ""):  # run as a file: import the repository's packages
-    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-from bench.codecs_report import EXACT, acc_cell, paired  # noqa: E402
-from bench.common import ROOT, md_table, rendered  # noqa: E402
+from bench.codecs.report import EXACT, acc_cell, paired
+from bench.common import ROOT, md_table, rendered
 
 DEFAULT_REPORT = os.path.join(ROOT, "bench", "results", "codecs_sampled.json")
 

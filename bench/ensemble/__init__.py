@@ -17,7 +17,8 @@ and expected calibration error (15 bins) per student, and the ensemble's paired 
 teacher's students.
 
 On mnist5k the teachers and the students train 20 epochs; on Fashion-MNIST, 15 times the images per epoch,
-the teachers 5 and the students 8 (FASHION_TEACHER_EPOCHS, FASHION_STUDENT_EPOCHS: ~40 min with --jobs 1).
+the CNN teachers 5, the MLP 15, the students 8 (FASHION_TEACHER_EPOCHS, FASHION_STUDENT_EPOCHS: ~25-40 min
+with --jobs 1).
 
 Every MXNet process is a child with one compute thread (OMP_NUM_THREADS=1); --jobs of them run at once.
 Full run ~15-25 min on 2 cores (Fashion-MNIST ~30-40 min); --quick (2-epoch teachers, 1 seed, 2 epochs) ~2 min

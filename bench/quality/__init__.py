@@ -26,7 +26,7 @@ inline agree within the seeds' spread; verdicts PASS/MISS for the two floors (on
 the gap; cache equals inline within the spread for every student).
 
 Every MXNet process is a child with one compute thread; --jobs of them run at once (the teacher beside
-the students from scratch, which need none). Full run ~45-60 min with --jobs 2 on 2 cores; --quick (the
+the students from scratch, which need none). Full run ~13-25 min with --jobs 2 on 2 shared cores; --quick (the
 first 2,000 training and 1,000 test images of the real files as an .npz, a 2-epoch teacher, 2 seeds of
 1-epoch students) ~1-2 min.
 """

@@ -115,8 +115,8 @@ bench-decode: setup  ## photos from JPEG files at 224 px: decode ms per image, t
 bench-codecs: setup $(CODEC_TEACHERS)  ## soft-target codecs (full, topk:K, int8): distance to the teacher and students distilled from each (QUICK=1 for a short run)
 	$(PY) -m bench.codecs $(if $(QUICK),--quick)
 
-bench-ensemble: setup  ## read-time teacher ensembles on mnist5k: three teachers alone and together, students from each, 0 teacher forwards to build the ensemble (QUICK=1 for a short run)
-	$(PY) -m bench.ensemble $(if $(QUICK),--quick)
+bench-ensemble: setup  ## read-time teacher ensembles on mnist5k (DATASET=fashion-mnist: the full Fashion-MNIST, DATA_ROOT its files): three teachers alone and together, students from each, 0 teacher forwards to build the ensemble (QUICK=1 for a short run)
+	$(PY) -m bench.ensemble $(if $(QUICK),--quick) $(call opt,DATASET,--dataset) $(call opt,DATA_ROOT,--data-root)
 
 bench-quality: setup  ## distillation on the full Fashion-MNIST (apt-get install dataset-fashion-mnist): two students from scratch, inline and from the cache, 5 seeds, the gap each closes (QUICK=1 for a short run)
 	$(PY) -m bench.quality $(if $(QUICK),--quick)

@@ -40,6 +40,7 @@ BENCHMARKS = {
     "bench.distill": ("bench.distill.run", "distill.json"),
     "bench.sizing": ("bench.sizing.run", "sizing.json"),
     "bench.decode": ("bench.decode.run", "decode.json"),
+    "bench.checksums": ("bench.checksums.run", "checksums.json"),
     "bench.recipe": ("bench.recipe.run", "recipe_sweep.json"),
     "bench.ensemble": ("bench.ensemble.run", "ensemble.json"),
     "bench.ensemble_fashion": ("bench.ensemble.run", "ensemble_fashion.json"),

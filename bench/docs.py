@@ -45,7 +45,7 @@ BENCHMARKS = {
     "bench.ensemble": ("bench.ensemble.run", "ensemble.json"),
     "bench.ensemble_fashion": ("bench.ensemble.run", "ensemble_fashion.json"),
     "bench.codecs_sampled": ("bench.codecs.sampled", "codecs_sampled.json"),
-    "bench.quality": ("bench.quality", "quality.json"),
+    "bench.quality": ("bench.quality.run", "quality.json"),
 }
 
 # block name -> (module, the list of kdcache.args.Option it declares): each command's options with their help

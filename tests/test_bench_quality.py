@@ -23,7 +23,7 @@ def test_quality_quick_report(tmp_path):
                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     report = json.loads(out.read_text())
-    from bench.quality import render
+    from bench.quality.run import render
     from bench.common import rendered
 
     seeds, n = report["settings"]["seeds"], report["n_train"]

@@ -66,8 +66,16 @@ def in_package(name, pkg):
     return name == pkg or name.startswith(pkg + ".")
 
 
-# The benchmarks moved into a folder each so far; every one of them is to be listed here.
-BENCH_FOLDERS = ("kd", "demand", "producer", "store", "read_scale")
+# bench/ holds the modules every benchmark shares and one folder per benchmark, nothing else.
+BENCH_SHARED = {"__init__.py", "common.py", "cli.py", "flops.py", "docs.py"}
+BENCH_FOLDERS = sorted(d for d in os.listdir(os.path.join(ROOT, "bench"))
+                       if os.path.isfile(os.path.join(ROOT, "bench", d, "__init__.py")))
+
+
+def test_bench_holds_its_shared_modules_and_a_folder_per_benchmark():
+    flat = {f for f in os.listdir(os.path.join(ROOT, "bench")) if f.endswith(".py")}
+    assert flat == BENCH_SHARED, f"a benchmark's module outside its folder: {sorted(flat - BENCH_SHARED)}"
+    assert {"kd", "store", "codecs", "quality", "decode"} <= set(BENCH_FOLDERS), BENCH_FOLDERS
 
 
 def test_every_benchmark_is_a_folder_whose_command_goes_through_bench_main():

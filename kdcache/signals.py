@@ -59,45 +59,51 @@ def _ours(sig, handler):
 
 
 def defer():
-    """Record SIGINT and SIGTERM from now on, for check() to raise; True when this call installed
-    the handlers (False: they were installed already). A parent that starts kdcache processes
-    blocks both signals across the exec (children.before_exec): they are unblocked here, once
-    handled, and one that came in between is taken now."""
-    if active():
-        return False
+    """Record SIGINT and SIGTERM from now on, for check() to raise; returns the signals this call
+    took over (empty: both were deferred already, or are ignored). Each signal is taken on its own:
+    a forked child whose parent was started with SIGINT ignored gets SIGINT back
+    (children.die_with_parent) while SIGTERM is deferred already, and its SIGINT must be deferred
+    too, or Python raises it wherever the child is (inside a destructor it is swallowed, and the
+    child goes on as if never stopped). A parent that starts kdcache processes blocks both signals
+    across the exec (children.before_exec): they are unblocked here, once handled, and one that
+    came in between is taken now."""
+    taken = set()
     for sig in SIGNALS:
         old = signal.getsignal(sig)
-        if _ours(sig, old):
+        if old is not _handler and _ours(sig, old):
             _installed[sig] = old
             signal.signal(sig, _handler)
+            taken.add(sig)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
-    return True
+    return taken
 
 
 def active():
     return any(signal.getsignal(s) is _handler for s in SIGNALS)
 
 
-def restore():
-    """The handlers defer() replaced, back; a signal recorded and not raised is forgotten."""
+def restore(sigs=None):
+    """The handlers defer() replaced (of `sigs`, default all), back; a signal recorded and not
+    raised is forgotten once no signal is deferred any more."""
     global _requested
-    for sig, old in _installed.items():
-        if signal.getsignal(sig) is _handler:
+    for sig in list(_installed) if sigs is None else sigs:
+        old = _installed.pop(sig, None)
+        if old is not None and signal.getsignal(sig) is _handler:
             signal.signal(sig, old)
-    _installed.clear()
-    _requested = None
+    if not active():
+        _requested = None
 
 
 @contextlib.contextmanager
 def deferred():
-    """defer() for the block; the old handlers back after it when this block installed them (a
-    command's main() may run inside another program, a test's)."""
-    fresh = defer()
+    """defer() for the block; the handlers this block replaced are back after it (a command's
+    main() may run inside another program, a test's)."""
+    taken = defer()
     try:
         yield
     finally:
-        if fresh:
-            restore()
+        if taken:
+            restore(taken)
 
 
 def requested():

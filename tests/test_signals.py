@@ -221,3 +221,55 @@ def test_a_signal_during_the_teacher_trainers_start_up(tmp_path):
         assert status == NAMES[sig], err[-3000:]
         clean(err)
         assert not os.path.exists(f"{out}-symbol.json")
+
+
+# Every process kdcache starts, in every state its parent may start it in: each of SIGINT and SIGTERM
+# inherited as default or ignored (a background job of a script ignores SIGINT).
+PROBE = r"""
+import os, signal, sys, json
+for name in sys.argv[1].split(","):
+    if name:
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
+from kdcache import signals
+from kdcache.pipeline.children import die_with_parent
+from kdcache.pipeline.interrupts import Interrupts
+signals.defer()
+def state():
+    return {s.name: ("deferred" if signal.getsignal(s) is signals._handler else
+                     "ignored" if signal.getsignal(s) is signal.SIG_IGN else "other") for s in signals.SIGNALS}
+parent = state()
+me = os.getpid()
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:
+    die_with_parent(me)
+    child = state()
+    loop = Interrupts().install()
+    os.kill(os.getpid(), signal.SIGINT)  # lands outside any safe point: recorded, not raised
+    try:
+        loop.check()
+        taken = "no"
+    except KeyboardInterrupt:
+        taken = "at the safe point"
+    os.write(w, json.dumps({"child": child, "taken": taken}).encode())
+    os._exit(0)
+os.close(w)
+os.waitpid(pid, 0)
+print(json.dumps(dict(json.loads(os.read(r, 4096)), parent=parent)))
+"""
+
+
+@pytest.mark.parametrize("ignored", ["", "SIGINT", "SIGTERM", "SIGINT,SIGTERM"])
+def test_a_forked_child_defers_sigint_and_sigterm_whatever_its_parent_ignores(ignored):
+    """A shard (a forked child) is stopped by its parent with SIGINT: it must take it at a safe
+    point even when the command was started with SIGINT ignored and SIGTERM deferred. Deferring
+    was once all-or-nothing, so such a shard raised KeyboardInterrupt wherever it was; inside a
+    destructor that was swallowed and the shard filled its whole part instead of stopping."""
+    import json
+    r = subprocess.run([sys.executable, "-c", PROBE, ignored], capture_output=True, text=True,
+                       env=ENV, cwd=ROOT, timeout=60)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["child"] == {"SIGINT": "deferred", "SIGTERM": "deferred"}, got
+    assert got["taken"] == "at the safe point", got
+    assert got["parent"] == {s: ("ignored" if s in ignored.split(",") else "deferred") for s in ("SIGINT", "SIGTERM")}

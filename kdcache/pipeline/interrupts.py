@@ -24,9 +24,9 @@ class Interrupts:
         self._old = {}
 
     def install(self):
-        if signals.active():  # a command's process defers signals from its first line: check() raises them
-            return self
-        # Only over the default handlers: a process started with a signal ignored keeps ignoring it.
+        # Each signal on its own, and only over its default handler: one a command's process defers
+        # from its first line (kdcache.signals) is raised by check(); one the process was started
+        # with ignored stays ignored.
         if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
             self._old[signal.SIGINT] = signal.signal(signal.SIGINT, self._handler)
         if self.term and signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, raise_stopped):

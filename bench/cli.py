@@ -61,6 +61,18 @@ def check(parser, flag, kind, value):
         parser.error(f"argument {flag}: {e}")
 
 
+def given_teacher(parser, args):
+    """--teacher (a teacher to reuse) with --teacher-epochs (the size of one trained here) is one
+    error line; a given teacher's checkpoint files must be there and readable."""
+    if args.teacher is None:
+        return
+    if args.teacher_epochs is not None:
+        parser.error("argument --teacher-epochs: it sizes the teacher trained here, and --teacher reuses one; drop "
+                     "--teacher-epochs (or --teacher)")
+    from kdcache.pipeline.options import resolve_teacher
+    resolve_teacher(args, parser)
+
+
 def check_child(parser, args, needs):
     """A child process's options: needs = {child: (dest, ...)}, what each child reads. The one chosen
     (args.child) must have all of its own, and none only other children read."""

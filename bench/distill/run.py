@@ -8,9 +8,8 @@ limit_threads(os.environ)  # before anything loads MXNet or BLAS: one compute th
 import json  # noqa: E402
 
 from bench.common import heading, machine, make_log, md_table, python_m, rendered, spread, utc_now  # noqa: E402
-from bench.cli import RUN, like, out_option, quick_option, tmp_option, trainer_option  # noqa: E402
+from bench.cli import RUN, given_teacher, like, out_option, quick_option, tmp_option, trainer_option  # noqa: E402
 from kdcache.args import Int, Option  # noqa: E402
-from kdcache.pipeline.options import resolve_teacher  # noqa: E402
 from kdcache.trainer import make_teacher  # noqa: E402
 
 DEFAULT_OUT = os.path.join("bench", "results", "distill.json")
@@ -127,11 +126,7 @@ def render(report):
 
 def params(ap, args):
     """The run's settings: --quick's or the full run's, with each option given in their place."""
-    if args.teacher is not None:
-        if args.teacher_epochs is not None:
-            ap.error("argument --teacher-epochs: it sizes the teacher trained here, and --teacher reuses one; drop "
-                     "--teacher-epochs (or --teacher)")
-        resolve_teacher(args, ap)  # its checkpoint files are there and readable
+    given_teacher(ap, args)
     p = dict(QUICK if args.quick else FULL)
     for k in ("seeds", "student", "epochs", "lr", "batch_size", "temperature", "alpha", "teacher_epochs"):
         if getattr(args, k) is not None:

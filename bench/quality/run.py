@@ -8,7 +8,7 @@ limit_threads(os.environ)  # before anything loads MXNet or BLAS: one compute th
 import json  # noqa: E402
 import threading  # noqa: E402
 
-from bench.cli import RUN, like, out_option, quick_option, tmp_option, trainer_option  # noqa: E402
+from bench.cli import RUN, given_teacher, like, out_option, quick_option, tmp_option, trainer_option  # noqa: E402
 from bench.common import heading, machine_line, make_log, md_table, python_m, rendered  # noqa: E402
 from bench.common import spread, verdict  # noqa: E402
 from kdcache.args import Dir, Int, Option  # noqa: E402
@@ -88,12 +88,7 @@ def params(ap, args):
     if idx_folder(root) is None:
         ap.error(f"argument --data-root: no Fashion-MNIST IDX files ({IDX_FILES[0]}[.gz] and the other three) in "
                  f"{root}: install them with `{INSTALL}` (as root; they go to {DATA_ROOT}) or pass --data-root DIR")
-    if args.teacher is not None:
-        if args.teacher_epochs is not None:
-            ap.error("argument --teacher-epochs: it sizes the teacher trained here, and --teacher reuses one; drop "
-                     "--teacher-epochs (or --teacher)")
-        from kdcache.pipeline.options import resolve_teacher
-        resolve_teacher(args, ap)  # its checkpoint files are there and readable
+    given_teacher(ap, args)
     p = dict(QUICK if args.quick else FULL)
     p["teacher"] = dict(TEACHER, epochs=QUICK_TEACHER_EPOCHS if args.quick else TEACHER["epochs"])
     if args.teacher_epochs is not None:

@@ -76,7 +76,7 @@ def best(f, repeats=3):
 def measure(args, n, c, root):
     rng = np.random.default_rng(args.seed)
     pool = rng.normal(0, 4, size=(4096, c)).astype(np.float32)
-    out, rows = {}, []
+    out = {}
     log(f"writing two caches of {n:,} x {c} (full float16)")
     a_path, spec, comp_with = build(root, n, c, pool, True)
     b_path, _, comp_without = build(root, n, c, pool, False)

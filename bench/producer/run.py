@@ -7,7 +7,7 @@ from bench.common import (busy_warning, floors_line, heading, machine_line, md_t
 from bench.cli import out_option, quick_option, tmp_option
 from bench.flops import cpu_id, gflops_table, invalid_lines, peak_line, teacher_figures
 from bench.producer.children import CLASSES, SHAPE, TEACHER_WIDTHS
-from bench.producer.sections import (FLOORS, THREADS, bench_overhead, bench_shards, log, overhead_section,
+from bench.producer.sections import (FLOORS, bench_overhead, bench_shards, log, overhead_section,
                                      shards_section, write_npz)
 
 DEFAULT_OUT = os.path.join("bench", "results", "producer.json")
@@ -63,7 +63,7 @@ def render(report):
 
     def floor(name):
         return f"{fl[name]['op']} {fl[name]['value']:g}"
-    best, med = o["rows_per_s_best"], o["rows_per_s_median"]
+    best = o["rows_per_s_best"]
     check = t["checks"][0] if t.get("checks") else {}
     same = ("identical" if report["two_shard_cache_identical"] else
             f"equal within one float16 step ({check.get('rows_differing', '?')} rows of {t['n']:,} differ by one step)"

@@ -44,7 +44,6 @@ def render(report):
     JSON report alone."""
     sec, r, v, fl = report["sections"], report["rows_per_s"], report["verdicts"], report["floors"]
     g, f = sec["gather_vs_numpy"], sec["gather_vs_per_sample_files"]
-    w = sec["write_order"]
 
     def floor(name):
         return f"{fl[name]['op']} {fl[name]['value']:g}"

@@ -48,50 +48,11 @@ def teacher_rows(teacher, dataset, indices, views, *, seed, augment, images=None
     """Logits [B, C] of keys (indices, views): the same inputs the student will see (`images`: those
     inputs, made already by a pipeline.decode.Decoder).
 
-    Every producer (offline, shards, online, ring) gets its rows here or through start_rows, so here
-    a batch with a non-finite input image or teacher output is refused, naming its keys, before any
-    of it is written. Images are checked too: NaN images can come out of some teachers as finite
-    rows, all the same (a pooling or batch-norm layer), which the cache would then hold for every key.
+    Every producer (offline, shards, online, ring) gets its rows here, so here a batch with a
+    non-finite input image or teacher output is refused, naming its keys, before any of it is
+    written. Images are checked too: NaN images can come out of some teachers as finite rows, all
+    the same (a pooling or batch-norm layer), which the cache would then hold for every key.
     """
-    return start_rows(teacher, dataset, indices, views, seed=seed, augment=augment, images=images).logits()
-
-
-class TeacherBatch:
-    """A batch of keys whose forward was started (start_rows); logits() waits for it and checks them."""
-
-    def __init__(self, teacher, indices, views, ticket=None, out=None):
-        self.teacher, self.indices, self.views = teacher, indices, views
-        self.ticket, self.out = ticket, out
-
-    def logits(self):
-        teacher, out, bad = self.teacher, self.out, None
-        try:
-            if self.ticket is not None:
-                out = teacher.collect(self.ticket)
-            elif isinstance(out, NonFiniteOutputError):
-                raise out
-        except NonFiniteOutputError as e:
-            out = None
-            bad = np.zeros(len(self.indices), dtype=bool)
-            bad[e.rows] = True
-        if out is not None:  # any object with forward(x) may be the teacher here, not only pipeline.teacher's
-            bad = ~np.isfinite(np.reshape(out, (len(self.indices), -1))).all(axis=1)
-        if bad.any():
-            indices, views = self.indices, self.views
-            raise TeacherError(
-                f"the teacher returned NaN or Inf for {int(bad.sum())} of {bad.size} samples of a batch "
-                f"({name_keys(indices[bad], views[bad])}; their input images are finite): its weights or its "
-                f"preprocessing (--teacher-mean/--teacher-std) are broken; nothing of this batch was cached "
-                f"(rows cached before are kept)")
-        return out
-
-
-def start_rows(teacher, dataset, indices, views, *, seed, augment, images=None, slot=0):
-    """teacher_rows in two halves: the input images are checked and the teacher's forward started
-    here; the returned TeacherBatch's logits() waits for it. A teacher with submit/collect
-    (pipeline.teacher.Teacher) runs in MXNet's engine thread meanwhile, so the producer makes and
-    checks the next batch and writes the last one while the network runs (`slot` alternates between
-    the two batches in flight); any other object's forward(x) runs here."""
     x = images if images is not None else make_views(dataset, indices, views, seed=seed, augment=augment)[0]
     indices = np.asarray(indices)
     views = np.broadcast_to(np.asarray(views, dtype=np.int64), np.shape(indices))
@@ -105,13 +66,21 @@ def start_rows(teacher, dataset, indices, views, *, seed, augment, images=None, 
             f"{int(bad.sum())} of {bad.size} input images of a batch hold NaN or Inf "
             f"({name_keys(indices[bad], views[bad])}): {source}; fix it: no teacher gives sound targets for "
             f"them; nothing of this batch was cached (rows cached before are kept)")
-    if hasattr(teacher, "submit") and hasattr(teacher, "collect"):
-        return TeacherBatch(teacher, indices, views, ticket=teacher.submit(x, slot))
     try:
         out = teacher.forward(x)
     except NonFiniteOutputError as e:
-        out = e
-    return TeacherBatch(teacher, indices, views, out=out)
+        out = None
+        bad = np.zeros(len(x), dtype=bool)
+        bad[e.rows] = True
+    if out is not None:  # any object with forward(x) may be the teacher here, not only pipeline.teacher's
+        bad = ~np.isfinite(np.reshape(out, (len(x), -1))).all(axis=1)
+    if bad.any():
+        raise TeacherError(
+            f"the teacher returned NaN or Inf for {int(bad.sum())} of {bad.size} samples of a batch "
+            f"({name_keys(indices[bad], views[bad])}; their input images are finite): its weights or its "
+            f"preprocessing (--teacher-mean/--teacher-std) are broken; nothing of this batch was cached "
+            f"(rows cached before are kept)")
+    return out
 
 
 def produce_offline(teacher, dataset, writer, *, seed, augment, batch_size, progress=True, demand=True,
@@ -134,67 +103,37 @@ def produce_offline(teacher, dataset, writer, *, seed, augment, batch_size, prog
     interrupts = Interrupts().install()
     decoder = Decoder(dataset, seed=seed, augment=augment, workers=decode_workers)
     ahead = collections.deque()  # (keys, ticket): the next blocks in key order, asked for ahead
-    running = None  # (keys, TeacherBatch): the batch in the teacher while the next one is made
-    slot = 0  # the teacher's executor for the next batch: the two batches in flight use both
     a = 0
-
-    def done(keys):  # written, or in the teacher now
-        out = writer.is_done(keys)
-        return out if running is None else out | np.isin(keys, running[0])
-
-    def finish():  # the running batch's rows, written whole; a batch's rows are written in the order started
-        nonlocal running
-        keys, batch = running
-        running = None
-        t1 = time.perf_counter()
-        logits = batch.logits()
-        stats.teacher_seconds += time.perf_counter() - t1
-        stats.teacher_forwards += keys.size
-        stats.rows_written += writer.write(keys // spec.views, logits, views=keys % spec.views)
-        bar.update(keys.size)
-
-    def make_next():  # (keys, images) of the next batch, or None when there is none to run now
-        nonlocal a
-        if wanted is not None and wanted.poll():
-            keys = wanted.take(done, batch_size)
-            if keys.size:  # readers wait for these: made now (the blocks asked for ahead wait)
-                return keys, decoder.take(decoder.submit(keys // spec.views, keys % spec.views))
-        while len(ahead) <= PREFETCH and a < owned.size:  # the next blocks in key order
-            block = owned[a:a + batch_size]
-            a += batch_size
-            block = block[~done(block)]
-            if block.size:
-                ahead.append((block, decoder.submit(block // spec.views, block % spec.views)))
-        if not ahead:
-            return None
-        keys, ticket = ahead.popleft()
-        images = decoder.take(ticket)
-        fresh = ~done(keys)  # readers' demand may have had some written since
-        return (keys[fresh], images[fresh]) if fresh.any() else None
-
     try:
-        while a < owned.size or ahead or running is not None:
-            try:
-                interrupts.check()  # Ctrl-C stops here, between committed batches
-                if a >= owned.size and not ahead:
-                    finish()  # the last batch
+        while a < owned.size or ahead:
+            interrupts.check()  # Ctrl-C stops here, between committed batches
+            keys = np.zeros(0, dtype=np.int64)
+            if wanted is not None and wanted.poll():
+                keys = wanted.take(writer.is_done, batch_size)
+            if keys.size:  # readers wait for these: made now (the blocks asked for ahead wait)
+                images = decoder.take(decoder.submit(keys // spec.views, keys % spec.views))
+            else:
+                while len(ahead) <= PREFETCH and a < owned.size:  # the next blocks in key order
+                    block = owned[a:a + batch_size]
+                    a += batch_size
+                    block = block[~writer.is_done(block)]
+                    if block.size:
+                        ahead.append((block, decoder.submit(block // spec.views, block % spec.views)))
+                if not ahead:
                     continue
-                nxt = make_next()
-                if nxt is None:
+                keys, ticket = ahead.popleft()
+                images = decoder.take(ticket)
+                fresh = ~writer.is_done(keys)  # readers' demand may have had some written since
+                keys, images = keys[fresh], images[fresh]
+                if keys.size == 0:
                     continue
-                keys, images = nxt
-                t1 = time.perf_counter()
-                batch = start_rows(teacher, dataset, keys // spec.views, keys % spec.views, seed=seed,
-                                   augment=augment, images=images, slot=slot)
-                stats.teacher_seconds += time.perf_counter() - t1
-            except BaseException:
-                if running is not None:  # a stop or an error in the next batch: the one the teacher ran is kept
-                    finish()
-                raise
-            slot ^= 1
-            if running is not None:
-                finish()  # while this batch runs in the teacher
-            running = (keys, batch)
+            idx, views = keys // spec.views, keys % spec.views
+            t1 = time.perf_counter()
+            logits = teacher_rows(teacher, dataset, idx, views, seed=seed, augment=augment, images=images)
+            stats.teacher_seconds += time.perf_counter() - t1
+            stats.teacher_forwards += keys.size
+            stats.rows_written += writer.write(idx, logits, views=views)
+            bar.update(keys.size)
     finally:
         decoder.close()
         interrupts.restore()

@@ -96,14 +96,8 @@ class Teacher:
             x = x / np.asarray(self.std, np.float32).reshape(1, -1, 1, 1)
         return x.astype(np.float32, copy=False)
 
-    def _executor(self, shape, slot=0):
-        ex = self._execs.get((shape, slot))
-        if ex is None and slot:  # another executor for the same shape, over the first one's parameters
-            first = self._executor(shape)
-            mx = self._mx
-            args = {n: (mx.nd.zeros(shape) if n == self.input_name else a) for n, a in first.arg_dict.items()}
-            ex = self._execs[(shape, slot)] = self._sym.bind(mx.cpu(), args, grad_req="null",
-                                                             aux_states=first.aux_dict)
+    def _executor(self, shape):
+        ex = self._execs.get(shape)
         if ex is None:
             mx = self._mx
             try:  # shape inference fails here for some layers; for others the shapes differ below
@@ -123,33 +117,20 @@ class Teacher:
                                    f"{'x'.join(map(str, shape[1:]))}: {why}; pass the teacher trained for this "
                                    f"data set, or --teacher-size HxW / --image-size HxW to resize the images")
             ex.copy_params_from(self._args, self._auxs, allow_extra_params=True)
-            self._execs[(shape, 0)] = ex
+            self._execs[shape] = ex
         return ex
 
     def forward(self, x):
         """Raw logits [B, classes] (float32) for a batch of pipeline images x [B, C, H, W] in [0, 1]."""
-        return self.collect(self.submit(x))
-
-    def submit(self, x, slot=0):
-        """Start the forward of a batch and return at once: the network runs in MXNet's engine
-        thread while the caller makes the next batch; collect(ticket) waits for the logits. Each
-        `slot` (0 or 1) has its own executor per input shape (sharing the parameters), so a batch
-        can be submitted on one while the other's is still running."""
         x = self._preprocess(np.asarray(x, dtype=np.float32))
         if self.input_shape is not None and tuple(x.shape[1:]) != self.input_shape:
             raise TeacherError(f"the teacher takes inputs {self.input_shape}, the data set gives {x.shape[1:]}: "
                                f"pass --teacher-size or the matching --dataset")
-        ex = self._executor(tuple(x.shape), slot)
+        ex = self._executor(tuple(x.shape))
         ex.arg_dict[self.input_name][:] = x
-        ex.forward(is_train=False)
-        return ex, x.shape[0]
-
-    def collect(self, ticket):
-        """The logits of a submitted batch (waits for its forward)."""
-        ex, n = ticket
-        out = ex.outputs[0].asnumpy()
-        self.forwards += n
-        if out.ndim != 2 or out.shape[0] != n:
+        out = ex.forward(is_train=False)[0].asnumpy()
+        self.forwards += x.shape[0]
+        if out.ndim != 2 or out.shape[0] != x.shape[0]:
             raise TeacherError(f"the teacher's output has shape {out.shape}, not [batch, classes]: export a "
                                f"classifier whose last layer gives the logits")
         if self.num_classes is None:

@@ -7,8 +7,8 @@ from bench.common import (busy_warning, floors_line, heading, machine_line, md_t
 from bench.cli import out_option, quick_option, tmp_option
 from bench.flops import cpu_id, gflops_table, invalid_lines, peak_line, teacher_figures
 from bench.producer.children import CLASSES, SHAPE, TEACHER_WIDTHS
-from bench.producer.sections import (FLOORS, bench_overhead, bench_shards, log, overhead_section,
-                                     shards_section, write_npz)
+from bench.producer.sections import (FLOORS, THREADS, bench_overhead, bench_shards, log, overhead_section,  # noqa: F401
+                                     shards_section, write_npz)  # THREADS: __main__ reads it from here
 
 DEFAULT_OUT = os.path.join("bench", "results", "producer.json")
 

@@ -226,7 +226,8 @@ def _producer_pid(tmp_path, timeout=120):
     while time.monotonic() < deadline:
         for d in glob.glob(str(tmp_path / "caches" / "*.parts")):
             for _, h in lock_holders(d):
-                return h["pid"]
+                if "pid" in h:  # the lock is taken a moment before its holder's record is written
+                    return h["pid"]
         time.sleep(0.05)
     raise AssertionError("no producer started")
 

@@ -231,7 +231,8 @@ def test_a_producer_that_dies_ends_training_with_a_clear_error(teacher, tmp_path
     while not holders and time.monotonic() < deadline:
         parts = [os.path.join(tmp_path, "caches", d) for d in os.listdir(tmp_path / "caches")] \
             if (tmp_path / "caches").exists() else []
-        holders = [h for d in parts if d.endswith(".parts") for _, h in lock_holders(d)]
+        # the lock is taken a moment before its holder's record (the pid) is written
+        holders = [h for d in parts if d.endswith(".parts") for _, h in lock_holders(d) if "pid" in h]
         time.sleep(0.1)
     assert holders, "the trainer started no producer"
     # wait until the producer gets its first rows out, then kill it

@@ -63,8 +63,63 @@ def test_workers_make_the_in_process_images_bit_for_bit(photos, kind):
             tickets = [d.submit(idx[a:a + 10], views[a:a + 10]) for a in range(0, len(ds), 10)]
             got = [None] * len(tickets)
             for t in tickets[2:] + tickets[:2]:  # a later batch first: the earlier ones are kept for their turn
-                got[t] = d.take(t)
+                got[t], finite = d.take(t)
+                assert finite.all() and finite.shape == (len(got[t]),)
         assert np.concatenate(got).tobytes() == want.tobytes()
+
+
+class Frames:
+    """A data set in RAM, of images [3, 6, 5] with NaN in some: what a worker makes of it is plain."""
+    name, decodes = "frames", True
+
+    def __init__(self, n=23, nan=(3, 7, 20)):
+        self.x = np.random.default_rng(0).random((n, 3, 6, 5), dtype=np.float32)
+        self.x[list(nan), 1, 2, 3] = np.nan
+        self.nan = np.isin(np.arange(n), nan)
+
+    def __len__(self):
+        return len(self.x)
+
+    def get_batch(self, indices):
+        return self.x[np.asarray(indices)], np.zeros(len(indices), dtype=np.int64)
+
+
+@pytest.mark.parametrize("workers", [0, 1, 3])
+def test_take_gives_the_images_and_which_are_finite_and_kept_batches_outlive_the_slots(workers):
+    """Every take() equals make_views and names the images with NaN (judged in the workers); a batch
+    read before its turn is a copy that outlives its slot being written again; a batch taken in its
+    turn is the arena itself, read-only (valid until the next submit)."""
+    from kdcache.pipeline.augment import Augment
+    from kdcache.pipeline.decode import SLOTS, Decoder
+    ds, aug = Frames(), Augment.parse("flip")
+    batches = [np.arange(a, min(a + 5, len(ds))) for a in range(0, len(ds), 5)]
+    want = [aug.apply(ds.x[b], 3, b, 1) for b in batches]
+    with Decoder(ds, seed=3, augment=aug, workers=workers) as d:
+        first = d.submit(batches[0], 1)
+        early, _ = d.take(d.submit(batches[1], 1))  # batch 0 is read now, kept for its turn
+        assert early.tobytes() == want[1].tobytes()
+        later = [d.submit(b, 1) for b in batches[2:]]  # SLOTS - 1 more: batch 0's slot is written again
+        assert len(later) >= SLOTS - 1
+        for t, b, w in zip(later + [first], batches[2:] + batches[:1], want[2:] + want[:1]):  # batch 0 last
+            x, finite = d.take(t)
+            assert x.tobytes() == w.tobytes(), t
+            assert np.array_equal(finite, ~ds.nan[b])
+            if workers and t != first:
+                assert not x.flags.writeable  # the arena: the producer only reads it
+
+
+def test_a_batch_too_large_for_a_slot_comes_whole_through_the_pipe(monkeypatch):
+    """Chunks that do not fit their slot (SLOT_BYTES made small here) come through the pipe; the batch
+    is whole and in order, whichever of its chunks fit."""
+    from kdcache.pipeline import decode
+    from kdcache.pipeline.augment import Augment
+    ds = Frames(nan=())
+    row = ds.x[0].nbytes
+    for slot_rows in (0, 6, 12):  # nothing fits, the first worker's chunk fits, two of three fit
+        monkeypatch.setattr(decode, "SLOT_BYTES", max(slot_rows * row, 8))
+        with decode.Decoder(ds, seed=0, augment=Augment(), workers=3) as d:
+            x, finite = d.take(d.submit(np.arange(18), 0))
+        assert x.tobytes() == ds.x[:18].tobytes() and finite.all(), slot_rows
 
 
 @pytest.mark.parametrize("mode", [(), ("--online", "--epochs", 2)])

@@ -5,7 +5,6 @@ centre crop, and the specs are canonical."""
 import argparse
 import json
 import math
-import os
 import subprocess
 import sys
 
@@ -288,3 +287,33 @@ def test_the_trainers_pixels_are_the_producers(tmp_path, spec, views):
             assert np.array_equal(x.reshape(len(x), -1), soft), (spec, epoch)  # bit for bit
             seen += len(x)
         assert seen == 40
+
+
+def resampled_view(x, resize, crop):
+    """center_view by resampling always (its general path): the reference for its crop-alone path."""
+    from kdcache.pipeline.augment import _as_dtype, _resample, _resized_axis
+    b, c, height, width = x.shape
+    rh, rw = (resize, int(resize * width / height)) if height <= width else (int(resize * height / width), resize)
+    top, left = int(round((rh - crop[0]) / 2.0)), int(round((rw - crop[1]) / 2.0))
+    out = np.zeros((b, c, *crop), dtype=x.dtype)
+    oy, ox = np.arange(max(0, -top), min(crop[0], rh - top)), np.arange(max(0, -left), min(crop[1], rw - left))
+    if oy.size and ox.size:
+        ys, xs = _resized_axis(top + oy, rh, height), _resized_axis(left + ox, rw, width)
+        for k in range(b):
+            out[k][:, oy[0]:oy[-1] + 1, ox[0]:ox[-1] + 1] = _as_dtype(_resample(x[k], ys, xs), x.dtype)
+    return out
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, database=None)
+@given(h=st.integers(1, 24), w=st.integers(1, 24), ch=st.integers(1, 40), cw=st.integers(1, 40),
+       dtype=st.sampled_from(["float32", "uint8"]), seed=st.integers(0, 2 ** 16))
+def test_the_eval_transform_of_an_image_already_at_its_size_is_the_resampled_one_bit_for_bit(h, w, ch, cw, dtype,
+                                                                                              seed):
+    """When the short side is RESIZE already (as after --image-size), the view is made by cropping
+    alone: the same bytes as resampling it, for every size, crops larger than the image included."""
+    from kdcache.pipeline.augment import center_view
+    r = np.random.default_rng(seed)
+    x = r.random((2, 3, h, w), dtype=np.float32) * 2 - 0.5
+    x = x if dtype == "float32" else (r.random((2, 3, h, w)) * 255).astype(np.uint8)
+    got = center_view(x, min(h, w), (ch, cw))
+    assert got.dtype == x.dtype and got.tobytes() == resampled_view(x, min(h, w), (ch, cw)).tobytes()

@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from kdcache.pipeline.augment import make_views
 from kdcache.pipeline.checkpoint import TeacherError
-from kdcache.pipeline.decode import PREFETCH, Decoder
+from kdcache.pipeline.decode import PREFETCH, Decoder, finite_rows
 from kdcache.pipeline.teacher import NonFiniteOutputError
 from kdcache.cache_builder.errors import ProducerError
 from kdcache.pipeline.interrupts import Interrupts
@@ -44,9 +44,9 @@ class Stats:
         return self.rows_written / self.seconds if self.seconds else 0.0
 
 
-def teacher_rows(teacher, dataset, indices, views, *, seed, augment, images=None):
+def teacher_rows(teacher, dataset, indices, views, *, seed, augment, images=None, finite=None):
     """Logits [B, C] of keys (indices, views): the same inputs the student will see (`images`: those
-    inputs, made already by a pipeline.decode.Decoder).
+    inputs, made already by a pipeline.decode.Decoder, and `finite`, its judgement of them per row).
 
     Every producer (offline, shards, online, ring) gets its rows here, so here a batch with a
     non-finite input image or teacher output is refused, naming its keys, before any of it is
@@ -56,7 +56,7 @@ def teacher_rows(teacher, dataset, indices, views, *, seed, augment, images=None
     x = images if images is not None else make_views(dataset, indices, views, seed=seed, augment=augment)[0]
     indices = np.asarray(indices)
     views = np.broadcast_to(np.asarray(views, dtype=np.int64), np.shape(indices))
-    bad = ~np.isfinite(np.reshape(x, (len(x), -1))).all(axis=1)
+    bad = ~(finite_rows(x) if images is None or finite is None else np.asarray(finite, dtype=bool))
     if bad.any():
         first = int(np.flatnonzero(bad)[0])
         raw, _ = dataset.get_batch(indices[first:first + 1])
@@ -111,7 +111,7 @@ def produce_offline(teacher, dataset, writer, *, seed, augment, batch_size, prog
             if wanted is not None and wanted.poll():
                 keys = wanted.take(writer.is_done, batch_size)
             if keys.size:  # readers wait for these: made now (the blocks asked for ahead wait)
-                images = decoder.take(decoder.submit(keys // spec.views, keys % spec.views))
+                images, finite = decoder.take(decoder.submit(keys // spec.views, keys % spec.views))
             else:
                 while len(ahead) <= PREFETCH and a < owned.size:  # the next blocks in key order
                     block = owned[a:a + batch_size]
@@ -122,14 +122,16 @@ def produce_offline(teacher, dataset, writer, *, seed, augment, batch_size, prog
                 if not ahead:
                     continue
                 keys, ticket = ahead.popleft()
-                images = decoder.take(ticket)
+                images, finite = decoder.take(ticket)
                 fresh = ~writer.is_done(keys)  # readers' demand may have had some written since
-                keys, images = keys[fresh], images[fresh]
+                if not fresh.all():  # (a copy of the batch: only then)
+                    keys, images, finite = keys[fresh], images[fresh], finite[fresh]
                 if keys.size == 0:
                     continue
             idx, views = keys // spec.views, keys % spec.views
             t1 = time.perf_counter()
-            logits = teacher_rows(teacher, dataset, idx, views, seed=seed, augment=augment, images=images)
+            logits = teacher_rows(teacher, dataset, idx, views, seed=seed, augment=augment, images=images,
+                                  finite=finite)
             stats.teacher_seconds += time.perf_counter() - t1
             stats.teacher_forwards += keys.size
             stats.rows_written += writer.write(idx, logits, views=views)
@@ -220,14 +222,16 @@ def produce_online(teacher, dataset, sink, *, seed, augment, batch_size, epochs,
             if digests is not None:
                 digests.add(st)
             if need.any():
-                images = decoder.take(ticket)
+                images, finite = decoder.take(ticket)
                 fresh = sink.need(st.indices[need], st.view, st.epoch)  # asked for ahead: written since?
                 need[need] = fresh
-                images = images[fresh]
+                if not fresh.all():
+                    images, finite = images[fresh], finite[fresh]
             if need.any():
                 idx = st.indices[need]
                 t1 = time.perf_counter()
-                logits = teacher_rows(teacher, dataset, idx, st.view, seed=seed, augment=augment, images=images)
+                logits = teacher_rows(teacher, dataset, idx, st.view, seed=seed, augment=augment, images=images,
+                                      finite=finite)
                 stats.teacher_seconds += time.perf_counter() - t1
                 stats.teacher_forwards += idx.size
                 stats.rows_written += sink.write(idx, logits, st.view, st.epoch)

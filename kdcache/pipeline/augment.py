@@ -287,7 +287,13 @@ def center_view(x, resize, crop):
     out = np.zeros((b, c, *crop), dtype=x.dtype)
     # output pixel (i, j) is pixel (top + i, left + j) of the resized image, where it exists
     oy, ox = np.arange(max(0, -top), min(crop[0], rh - top)), np.arange(max(0, -left), min(crop[1], rw - left))
-    if b and oy.size and ox.size:
+    if b and oy.size and ox.size and (rh, rw) == (height, width):
+        # no resize (the short side is `resize` already, as after --image-size): the crop alone. The
+        # same pixels as resampling (each output pixel is its source pixel times weight 1 plus its
+        # neighbour times 0) for finite images, and ~2x faster than making the view by resampling.
+        out[:, :, oy[0]:oy[-1] + 1, ox[0]:ox[-1] + 1] = \
+            x[:, :, top + oy[0]:top + oy[-1] + 1, left + ox[0]:left + ox[-1] + 1]
+    elif b and oy.size and ox.size:
         ys, xs = _resized_axis(top + oy, rh, height), _resized_axis(left + ox, rw, width)
         for k in range(b):
             out[k][:, oy[0]:oy[-1] + 1, ox[0]:ox[-1] + 1] = _as_dtype(_resample(x[k], ys, xs), x.dtype)

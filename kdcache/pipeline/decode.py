@@ -6,12 +6,16 @@ A Decoder forks `workers` processes once; each batch is cut into one contiguous 
 and every worker serves its chunks first in, first out, so the parent reads chunk j of batch k
 from worker j in the order it asked: order holds without sequence numbers. Batches are asked for
 ahead (PREFETCH), so the workers decode the next batches while the teacher runs this one. The
-images travel through shared memory, not the pipe: each worker writes its results into SLOTS slots
-of an arena (a memfd mapped before the fork) and sends only their shape; the parent copies them
-out, and never has more than SLOTS batches unread, so a slot is free again before it is reused (a
-pipe cost the parent ~0.4 ms per 224 px image, a few percent of a light teacher's forward). A
-worker runs the very function the in-process path runs (augment.make_views) on a slice of the
-batch: the views are keyed per sample, so the images are bit-identical either way.
+images travel through shared memory, not the pipe: one arena (a memfd mapped before the fork) has
+SLOTS slots, batch k goes to slot k mod SLOTS, and each worker writes its chunk at its rows' place
+there and sends only the chunk's shape and which of its images are finite (judged on the worker's
+core). So a batch lies whole in its slot and take() hands the teacher that memory itself, read-only,
+with no copy (a pipe cost the parent ~0.4 ms per 224 px image, a copy out of the arena ~0.1 ms: a
+few percent of a light teacher's forward). Those images are valid until the next submit(), which
+may ask a worker to write the slot again: the producer runs the teacher on them before it asks for
+more. A batch read before its turn (its slot about to be reused, or a later one taken first) is
+copied out. A worker runs the very function the in-process path runs (augment.make_views) on a
+slice of the batch: the views are keyed per sample, so the images are bit-identical either way.
 
 Errors travel back as the exception the in-process path would raise (a DatasetError naming the
 file), at the batch they belong to: batches before it are written, as without workers. Workers
@@ -47,6 +51,11 @@ def default_workers(dataset, teacher_threads, cores, producers=1):
     return max(0, cores - teacher_threads * producers)
 
 
+def finite_rows(x):
+    """bool [B]: which images of a batch x [B, ...] hold no NaN or Inf."""
+    return np.isfinite(np.reshape(x, (len(x), -1))).all(axis=1)
+
+
 class Decoder:
     """make_views(dataset, indices, views) for the producer's batches: submit() a batch ahead,
     take() its images later. A ticket taken before older ones makes the parent read the older ones
@@ -58,7 +67,8 @@ class Decoder:
         self.pending = collections.OrderedDict()  # ticket -> (indices, views, chunk bounds), oldest first
         self.ready = {}  # ticket -> images or the exception, read before their turn
         self.next_ticket = 0
-        self.workers = []  # (pid, task connection, result connection, shared arena)
+        self.workers = []  # (pid, task connection, result connection)
+        self.arena = None  # SLOTS slots of SLOT_BYTES, shared with the workers
         if workers > 0:
             self._start(int(workers))
 
@@ -69,13 +79,13 @@ class Decoder:
         from .children import worker_of
         import mmap
         parent = os.getpid()
+        fd = os.memfd_create("kdcache-decode")
+        try:
+            os.ftruncate(fd, SLOTS * SLOT_BYTES)
+            self.arena = mmap.mmap(fd, SLOTS * SLOT_BYTES)  # MAP_SHARED: the children write, the parent reads
+        finally:
+            os.close(fd)
         for _ in range(n):
-            fd = os.memfd_create("kdcache-decode")
-            try:
-                os.ftruncate(fd, SLOTS * SLOT_BYTES)
-                arena = mmap.mmap(fd, SLOTS * SLOT_BYTES)  # MAP_SHARED: the child writes, the parent reads
-            finally:
-                os.close(fd)
             task_r, task_w = Pipe(duplex=False)
             res_r, res_w = Pipe(duplex=False)
             pid = os.fork()
@@ -83,27 +93,28 @@ class Decoder:
                 code = 0
                 try:
                     worker_of(parent)
-                    for _, t, r, _ in self.workers:  # the other workers' pipes are not this one's
+                    for _, t, r in self.workers:  # the other workers' pipes are not this one's
                         t.close()
                         r.close()
                     task_w.close()
                     res_r.close()
-                    self._serve(task_r, res_w, arena)
+                    self._serve(task_r, res_w, self.arena)
                 except BaseException:
                     code = 1
                 finally:
                     os._exit(code)  # never the parent's clean-up (its HDF5 file, its atexit)
             task_r.close()
             res_w.close()
-            self.workers.append((pid, task_w, res_r, arena))
+            self.workers.append((pid, task_w, res_r))
 
     def submit(self, indices, views):
-        """Ask for the images of keys (indices, views); returns the ticket take() wants."""
+        """Ask for the images of keys (indices, views); returns the ticket take() wants. The images
+        take() returned before are valid no longer (their slot may be written again)."""
         indices = np.asarray(indices, dtype=np.int64)
         views = np.broadcast_to(np.asarray(views, dtype=np.int64), indices.shape).copy()
         while len(self.pending) >= SLOTS and self.workers:  # the oldest result's slot is about to be reused
             t, (old_i, _, old_b) = self.pending.popitem(last=False)
-            self.ready[t] = self._read_or_error(old_i, old_b, t % SLOTS)
+            self.ready[t] = self._read_or_error(old_i, old_b, t % SLOTS, keep=True)
         ticket = self.next_ticket
         self.next_ticket += 1
         bounds = []
@@ -111,65 +122,78 @@ class Decoder:
             cuts = np.linspace(0, len(indices), len(self.workers) + 1).astype(int)
             for j, (a, b) in enumerate(zip(cuts[:-1], cuts[1:])):
                 if b > a:
-                    self._send(j, (indices[a:b], views[a:b], ticket % SLOTS))
+                    self._send(j, (indices[a:b], views[a:b], ticket % SLOTS, a))
                     bounds.append((j, a, b))
         self.pending[ticket] = (indices, views, bounds)
         return ticket
 
     def take(self, ticket):
-        """The images (float32 [B, C, H, W]) of the batch `ticket` asked for."""
+        """(images float32 [B, C, H, W], finite bool [B]) of the batch `ticket` asked for: `finite`
+        says which images hold no NaN or Inf, judged where they were made (a worker's spare core, not
+        the teacher's). From workers the images may be the shared arena itself, read-only and valid
+        until the next submit(): copy them to keep them longer."""
         if not self.workers:
             indices, views, _ = self.pending.pop(ticket)
-            return make_views(self.dataset, indices, views, seed=self.seed, augment=self.augment)[0]
+            x = make_views(self.dataset, indices, views, seed=self.seed, augment=self.augment)[0]
+            return x, finite_rows(x)
         while ticket not in self.ready:
             t, (indices, views, bounds) = self.pending.popitem(last=False)
-            self.ready[t] = self._read_or_error(indices, bounds, t % SLOTS)
+            self.ready[t] = self._read_or_error(indices, bounds, t % SLOTS, keep=t != ticket)
         got = self.ready.pop(ticket)
         if isinstance(got, BaseException):
             raise got
         return got
 
-    def _read_or_error(self, indices, bounds, slot):
-        """The batch's images, or its own error (raised at its turn); a dead worker is raised now."""
+    def _read_or_error(self, indices, bounds, slot, keep):
+        """The batch's images, or its own error (raised at its turn); a dead worker is raised now.
+        `keep`: copied out of the arena (it is taken later, after more submits)."""
         try:
-            return self._read(indices, bounds, slot)
+            images, finite = self._read(indices, bounds, slot)
+            return (images.copy() if keep and images.base is not None else images), finite
         except DecodeWorkerError:
             raise
         except Exception as e:
             return e
 
     def _read(self, indices, bounds, slot):
-        """One batch's chunks, from each worker in turn."""
-        out, error = None, None
+        """One batch's chunks, from each worker in turn: a read-only view of its slot when every chunk
+        is there (the usual case), else an array of its own."""
+        n, shm = len(indices), []
+        row, out, finite, error = None, None, np.ones(len(indices), dtype=bool), None
         for j, a, b in bounds:  # every chunk is read, even after an error: the pipes stay in step
             head = self._recv(j)
             if head[0] == "error":
                 error = error or head[1]
                 continue
             shape, dtype = tuple(head[1]), np.dtype(head[2])
-            if out is None and error is None:
-                out = np.empty((len(indices),) + shape[1:], dtype=dtype)
-            if error is None and out.shape[1:] == shape[1:] and out.dtype == dtype:
-                self._result(j, head, out[a:b], slot)
-            else:
-                self._result(j, head, np.empty(shape, dtype=dtype), slot)  # read and dropped
+            if row is None:
+                row = (shape[1:], dtype)
+            if (shape[1:], dtype) != row:
+                if head[0] == "ok":
+                    self._recv_into(j, np.empty(shape, dtype=dtype))  # read and dropped
                 if error is None:
                     from .dataset_base import DatasetError
                     error = DatasetError(
-                        f"{self.dataset.name}: images of different sizes {sorted({out.shape[1:], shape[1:]})} in "
+                        f"{self.dataset.name}: images of different sizes {sorted({row[0], shape[1:]})} in "
                         f"one batch: pass --image-size HxW to resize them")
+                continue
+            finite[a:b] = head[3]
+            if head[0] == "shm":
+                shm.append((a, b))
+                continue
+            if out is None:  # a chunk too large for the arena came through the pipe
+                out = np.empty((n,) + shape[1:], dtype=dtype)
+            self._recv_into(j, out[a:b])
         if error is not None:
             raise error
-        return out
-
-    def _result(self, j, head, arr, slot):
-        """A chunk's images into `arr`: from the worker's arena ("shm"), or from the pipe ("ok": too
-        large for a slot)."""
-        if head[0] == "shm":
-            arr[...] = np.frombuffer(self.workers[j][3], dtype=arr.dtype, count=arr.size,
-                                     offset=slot * SLOT_BYTES).reshape(arr.shape)
-        else:
-            self._recv_into(j, arr)
+        whole = np.frombuffer(self.arena, dtype=row[1], count=n * int(np.prod(row[0], dtype=np.int64)),
+                              offset=slot * SLOT_BYTES).reshape((n,) + row[0]) if shm else None
+        if out is None:
+            whole.flags.writeable = False
+            return whole, finite
+        for a, b in shm:
+            out[a:b] = whole[a:b]
+        return out, finite
 
     def _send(self, j, task):
         try:
@@ -217,12 +241,17 @@ class Decoder:
         workers, self.workers = self.workers, []
         self.pending.clear()
         self.ready.clear()
-        for pid, t, r, arena in workers:
+        for pid, t, r in workers:
             t.close()
             r.close()
-            arena.close()
+        arena, self.arena = self.arena, None
+        if arena is not None:
+            try:
+                arena.close()
+            except BufferError:  # images taken from it are still held: unmapped when the last is dropped
+                pass
         deadline = time.monotonic() + STOP_WAIT_S
-        for pid, _, _, _ in workers:
+        for pid, _, _ in workers:
             if pid is None:
                 continue
             while True:
@@ -250,7 +279,7 @@ class Decoder:
         place of them."""
         while True:
             try:
-                indices, views, slot = tasks.recv()
+                indices, views, slot, first = tasks.recv()
             except (EOFError, OSError):
                 return  # the parent closed the pipe: done
             try:
@@ -267,11 +296,13 @@ class Decoder:
                     return
                 continue
             try:
-                if x.nbytes <= SLOT_BYTES:
-                    np.frombuffer(arena, dtype=x.dtype, count=x.size, offset=slot * SLOT_BYTES)[...] = x.reshape(-1)
-                    results.send(("shm", x.shape, x.dtype.str))
+                at = first * (x.nbytes // max(1, len(x)))  # this chunk's rows' place in the batch
+                if at + x.nbytes <= SLOT_BYTES:
+                    np.frombuffer(arena, dtype=x.dtype, count=x.size, offset=slot * SLOT_BYTES + at)[...] = \
+                        x.reshape(-1)
+                    results.send(("shm", x.shape, x.dtype.str, finite_rows(x)))
                 else:
-                    results.send(("ok", x.shape, x.dtype.str))
+                    results.send(("ok", x.shape, x.dtype.str, finite_rows(x)))
                     results.send_bytes(memoryview(x).cast("B"))
             except OSError:
                 return  # the parent is gone or stopped reading

@@ -17,7 +17,7 @@ import time
 # and numpy's BLAS reads the thread count once, when it loads.
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "OPENCV_FOR_THREADS_NUM")
 BUSY_CORES = 0.25  # other processes' average CPU use above which a report warns
 
 
@@ -34,8 +34,9 @@ def make_log(name):
 
 # -- threads and the environment of child processes ----------------------------------------------
 def limit_threads(env, threads=1, *, force=True):
-    """Fix the BLAS/OpenMP thread counts in env (os.environ before numpy or MXNet loads: both read them
-    once, at import; OMP_NUM_THREADS alone limits MXNet's compute threads). force=False keeps the user's."""
+    """Fix the BLAS/OpenMP/OpenCV thread counts in env (os.environ before numpy or MXNet loads: both read
+    them once, at import; OMP_NUM_THREADS limits MXNet's compute threads, OPENCV_FOR_THREADS_NUM the
+    pool of the OpenCV inside it, as kdcache.threads does). force=False keeps the user's."""
     for var in THREAD_VARS:
         env[var] = str(threads) if force or var not in env else env[var]
     env.setdefault("MXNET_SUBGRAPH_VERBOSE", "0")

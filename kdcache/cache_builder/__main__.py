@@ -13,6 +13,7 @@ import time
 from kdcache.args import Int, Name, Option, OutFile, Parser, add_options
 from kdcache.pipeline.interrupts import exit_status, stop_word, take_sigterm
 from kdcache.pipeline.options import SHARED, Shard, check_applies, check_views, resolve_teacher
+from kdcache.threads import fix_threads
 
 DESCRIPTION = """\
 Run a frozen MXNet teacher forward on the CPU over a data set and store its raw logits
@@ -125,8 +126,7 @@ def main(argv=None, prog="python -m kdcache.cache_builder"):
         return 2
     threads = args.threads or int(env_threads or 0) or default
     args.cores, args.teacher_threads = cores, threads  # for the decode workers' default (decode_workers)
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    os.environ.setdefault("MXNET_SUBGRAPH_VERBOSE", "0")
+    fix_threads(threads)  # its decode workers inherit one OpenCV thread each (kdcache.threads)
     logging.basicConfig(level=logging.INFO, format="[producer %(asctime)s] %(message)s", datefmt="%H:%M:%S")
     log = logging.getLogger("kdcache.producer")
     log.info("teacher uses %d thread(s) of %d core(s); %d left to the trainer (OMP_NUM_THREADS=%d)",

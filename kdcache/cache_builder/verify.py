@@ -17,6 +17,7 @@ import numpy as np
 from kdcache.args import Allowed, Int, Option, Parser, add_options, fail
 from kdcache.cache_builder.errors import ProducerError
 from kdcache.pipeline.options import SHARED_BY_DEST
+from kdcache.threads import fix_threads
 
 DESCRIPTION = """\
 Check a cache against its teacher: first the store's checks (as kdcache verify PATH without
@@ -80,8 +81,7 @@ def build_parser(prog="kdcache verify"):
 
 def main(argv=None, prog="kdcache verify"):
     args = build_parser(prog).parse_args(argv)
-    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # before MXNet loads: only this limits its threads
-    os.environ.setdefault("MXNET_SUBGRAPH_VERBOSE", "0")
+    fix_threads(args.threads)  # before MXNet loads: only this limits its threads
     from kdcache.pipeline.checkpoint import TeacherError
     from kdcache.pipeline.datasets import DatasetError
     from kdcache.store import StoreError

@@ -284,9 +284,10 @@ def center_view(x, resize, crop):
     else:
         rh, rw = int(resize * height / width), resize
     top, left = int(round((rh - crop[0]) / 2.0)), int(round((rw - crop[1]) / 2.0))  # torchvision's offsets
-    out = np.zeros((b, c, *crop), dtype=x.dtype)
     # output pixel (i, j) is pixel (top + i, left + j) of the resized image, where it exists
     oy, ox = np.arange(max(0, -top), min(crop[0], rh - top)), np.arange(max(0, -left), min(crop[1], rw - left))
+    whole = oy.size == crop[0] and ox.size == crop[1]  # every output pixel is written: no zero padding
+    out = (np.empty if whole else np.zeros)((b, c, *crop), dtype=x.dtype)
     if b and oy.size and ox.size and (rh, rw) == (height, width):
         # no resize (the short side is `resize` already, as after --image-size): the crop alone. The
         # same pixels as resampling (each output pixel is its source pixel times weight 1 plus its

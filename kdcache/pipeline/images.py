@@ -167,10 +167,11 @@ class DecodedDataset(Dataset):
     def __len__(self):
         return self._n
 
-    def _image(self, buf, where, fix, path=None):
+    def _image(self, buf, where, fix, path=None, out=None):
         """float32 [C, H, W] in [0, 1] from the encoded bytes of one image; `where` names it in errors.
         With `path` (the file `buf` was read from) MXNet reads the file itself: imdecode would first
-        copy the bytes into an NDArray, which costs more than reading the file again."""
+        copy the bytes into an NDArray, which costs more than reading the file again. Written into
+        `out` (a batch's row) when the shapes agree."""
         import mxnet as mx
         defect = image_defect(buf)
         if defect:
@@ -187,18 +188,25 @@ class DecodedDataset(Dataset):
             raise DatasetError(f"{where}: cannot be decoded as an image ({_mxnet_reason(e)}): {fix}") from None
         if a.ndim == 2:
             a = a[:, :, None]
-        return a.transpose(2, 0, 1).astype(np.float32) / np.float32(255.0)
+        chw = a.transpose(2, 0, 1)
+        if out is None or out.shape != chw.shape:
+            out = np.empty(chw.shape, dtype=np.float32)
+        return np.divide(chw, np.float32(255.0), out=out, dtype=np.float32)  # (x as float32) / 255 in float32
 
     def __getitem__(self, i):
         return self._decode(i), int(self.labels[i])
 
     def get_batch(self, indices):
-        xs = [self._decode(int(i)) for i in np.asarray(indices).reshape(-1)]
+        flat = [int(i) for i in np.asarray(indices).reshape(-1)]
+        out = np.empty((len(flat),) + tuple(self.shape), dtype=np.float32)  # each image decoded into its row
+        xs = [self._decode(i, out=out[k]) for k, i in enumerate(flat)]
         shapes = {x.shape for x in xs}
         if len(shapes) > 1:
             raise DatasetError(f"{self.name}: images of different sizes {sorted(shapes)} in one batch: "
                                f"pass --image-size HxW to resize them")
-        return np.stack(xs), self.labels[np.asarray(indices, dtype=np.int64)]
+        if shapes and shapes != {out.shape[1:]}:  # all of one size, not the first image's
+            out = np.stack(xs)
+        return out, self.labels[np.asarray(indices, dtype=np.int64)]
 
     def identity(self):
         return {"name": self.name, "split": self.split, "length": len(self), "num_classes": self.num_classes,
@@ -293,14 +301,14 @@ class RecordIODataset(DecodedDataset):
                                f"or damaged, or {os.path.basename(self.idx_path)} belongs to another file; "
                                f"{self._fix(k)}") from None
 
-    def _decode(self, i):
+    def _decode(self, i, out=None):
         import mxnet as mx
         if self._pid != os.getpid():
             self._rec = mx.recordio.MXIndexedRecordIO(self.idx_path, self.rec_path, "r")
             self._pid = os.getpid()
         k = self.keys[i]
         _, img = self._record(self._rec, k)
-        return self._image(img, f"{self.rec_path}: record {k}", self._fix(k))
+        return self._image(img, f"{self.rec_path}: record {k}", self._fix(k), out=out)
 
 
 class ImageFolderDataset(DecodedDataset):
@@ -326,6 +334,6 @@ class ImageFolderDataset(DecodedDataset):
         super().__init__("imagefolder", split, len(items), [lab for _, lab in items], len(self._folder.synsets),
                          size, {"digest": digest, "classes": list(self._folder.synsets)})
 
-    def _decode(self, i):
+    def _decode(self, i, out=None):
         path = self._folder.items[i][0]
-        return self._image(read_file(path, FOLDER_READ_FIX), path, FOLDER_FIX, path=path)
+        return self._image(read_file(path, FOLDER_READ_FIX), path, FOLDER_FIX, path=path, out=out)

@@ -83,6 +83,7 @@ def train_main(argv=None, prog="python -m kdcache.trainer"):
     from kdcache.trainer.errors import TrainError
     from kdcache.trainer.plan import MXNET_DATASETS, make_plan
     from kdcache.trainer.producer import Targets, split_threads
+    from kdcache.threads import fix_threads
     targets = None
     try:
         # The producer starts first, before this process loads its data or imports MXNet: its own
@@ -97,8 +98,7 @@ def train_main(argv=None, prog="python -m kdcache.trainer"):
         threads = split_threads(args, cores, plan)
         # Fixed before MXNet loads: only OMP_NUM_THREADS limits its compute threads, and a trainer
         # and a producer that both use every core run several times slower.
-        os.environ["OMP_NUM_THREADS"] = str(threads)
-        os.environ.setdefault("MXNET_SUBGRAPH_VERBOSE", "0")
+        fix_threads(threads)
         if args.ctx.kind == "gpu":  # GPUs MXNet cannot see: say so before the producer writes
             from kdcache.trainer.train import resolve_ctx
             resolve_ctx(args.ctx)

@@ -16,6 +16,7 @@ import time
 from kdcache import signals
 from kdcache.args import Float, Int, Option, Parser, add_options, fail
 from kdcache.pipeline.options import SHARED_BY_DEST, AugmentSpec
+from kdcache.threads import fix_threads
 from kdcache.trainer.options import Student, zoo_names
 
 # Per data set: the teacher's network, epochs and augmentation (others get digits' recipe).
@@ -160,9 +161,7 @@ def main(argv=None, prog="python -m kdcache.trainer.make_teacher"):
         p.error(f"argument --out: {parent} is a file, not a folder: give a prefix in a folder")
     if args.augment == "auto":
         args.augment = "none"
-    if args.threads:
-        os.environ["OMP_NUM_THREADS"] = str(args.threads)
-    os.environ.setdefault("MXNET_SUBGRAPH_VERBOSE", "0")
+    fix_threads(args.threads)
     logging.basicConfig(level=logging.INFO, format="[teacher %(asctime)s] %(message)s", datefmt="%H:%M:%S")
     try:
         from kdcache.pipeline.datasets import DatasetError, load_dataset

@@ -10,7 +10,7 @@ from bench.flops import cpu_id
 DEFAULT_OUT = os.path.join("bench", "results", "decode.json")
 TEACHERS = ("mobilenet1.0", "resnet18_v1")
 BATCH, IMAGE_SIZE, VIEW = 32, "256x256", "center:224"
-REPEATS = 3  # runs of each configuration, interleaved; the best is kept
+REPEATS = 5  # runs of each configuration, interleaved; the best is kept
 OPTIONS = [quick_option(f"{QUICK_PHOTOS} photos, mobilenet1.0 only, short timings"),
            tmp_option("work directory (default: a new temporary directory, removed at the end; a directory given "
                       "here is kept)"), out_option(DEFAULT_OUT)]
@@ -53,6 +53,11 @@ def render(report):
                      "-" if beside is None else f"{t['ratio_workers_to_beside']:.2f}x"])
     d = report["decode"]
     cpu = report["cpu"]
+    paired = []  # each run's workers / alone: runs are interleaved, so run r of each met the same load
+    for name, t in report["teachers"].items():
+        r = sorted(w / a for a, w in zip(t["runs"]["alone"], t["runs"]["workers"]))
+        if len(r) > 1:
+            paired.append(f"`{name}` {r[0]:.2f}-{r[-1]:.2f}x (median {r[len(r) // 2]:.2f}x)")
     note = (f"{report['photos']} photos, {IMAGE_SIZE} then `{VIEW}`, batch {BATCH}, teacher on "
             f"{report['teacher_threads']} thread(s); each figure the best of {report.get('repeats', 1)} runs, "
             f"interleaved. Decode: {d['kdcache_ms']:.2f} ms per image on one worker "
@@ -60,7 +65,9 @@ def render(report):
             f"{d['pil_ms']:.2f} ms. {cpu['model_name']} ({cpu['cpus']} cores), measured peak "
             f"{report['peak']['gflops']:.1f} GFLOP/s per core; load average (1, 5, 15 min) before the run "
             f"{report['load_before']}, after it {report.get('load_after', '-')}"
-            f"{' (quick run)' if report['quick'] else ''}. \"Beside decoding\": the teacher alone while one "
+            f"{' (quick run)' if report['quick'] else ''}."
+            f"{' Workers / teacher alone run by run: ' + ', '.join(paired) + '.' if paired else ''}"
+            f" \"Beside decoding\": the teacher alone while one "
             f"process makes views beside it, as one decode worker does; on idle cores it equals the teacher "
             f"alone, on shared cores it is the most a producer with one worker can reach.")
     return [(None, md_table(["teacher (224 px, random weights)", "teacher alone, images/s",

@@ -1,6 +1,6 @@
 """The producer's images: decoded and augmented in worker processes, in order, ahead of the teacher.
 
-NOTE (decode workers). Decoding a photo and building its view costs ~2.5 ms, a light teacher's
+NOTE (decode workers). Decoding a photo and building its view costs 1-3 ms, a light teacher's
 forward a few ms: done in series, in the producer's own process, decoding starves the teacher.
 A Decoder forks `workers` processes once; each batch is cut into one contiguous chunk per worker,
 and every worker serves its chunks first in, first out, so the parent reads chunk j of batch k

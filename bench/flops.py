@@ -121,7 +121,8 @@ def _best_gemm(fn, flop, repeats):
         runs.append({"gflops": flop / m.wall / 1e9, "gflops_cpu": flop / max(m.cpu, 1e-9) / 1e9, "cores": m.cores})
     best = max(runs, key=lambda r: r["gflops"])
     return {"gflops": best["gflops"], "cores_used": best["cores"], "all_gflops": [r["gflops"] for r in runs],
-            "gflops_cpu": max(r["gflops_cpu"] for r in runs), "cores_used_max": max(r["cores"] for r in runs)}
+            "gflops_cpu": max(r["gflops_cpu"] for r in runs), "cores_used_max": max(r["cores"] for r in runs),
+            "cores_used_min": min(r["cores"] for r in runs)}
 
 
 def measure_peak(n=PEAK_N, repeats=PEAK_REPEATS):
@@ -146,8 +147,11 @@ def measure_peak(n=PEAK_N, repeats=PEAK_REPEATS):
                lambda: mx.nd.FullyConnected(am, bm, no_bias=True, num_hidden=n).wait_to_read(), flop, repeats),
            "numpy": _best_gemm(lambda: a @ b, flop, repeats)}
     for name, r in res.items():
-        if r["cores_used_max"] > PEAK_MARGIN:
-            raise BenchError(f"the peak's {name} product used {r['cores_used_max']:.2f} cores, not one: a BLAS ran on "
+        # Judged on the run that used the fewest cores: a BLAS on several threads uses them in every run, while
+        # a moment of another thread of this process (MXNet's engine after the product before) lands in one run,
+        # and on a 0.5 ms product (n = 256) put it at 1.17 cores.
+        if r["cores_used_min"] > PEAK_MARGIN:
+            raise BenchError(f"the peak's {name} product used {r['cores_used_min']:.2f} cores, not one: a BLAS ran on "
                              f"several threads (OMP_NUM_THREADS / OPENBLAS_NUM_THREADS must be 1 before numpy and "
                              f"MXNet load)")
     best = {k: max(r["gflops"], r["gflops_cpu"]) for k, r in res.items()}

@@ -14,9 +14,9 @@ import pytest
 
 from kdcache.store import CacheReader, path_for, schema
 from kdcache.store import checksums
-from kdcache.store.errors import DamagedRowsError
+from kdcache.store.errors import DamagedFileError, DamagedRowsError
 from kdcache.store.verify import verify
-from tests.helpers import CHILD_ENV, expected_logits, make_spec, produce
+from tests.helpers import CHILD_ENV, as_format_1, expected_logits, make_spec, produce, seal_again
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORTURE = os.environ.get("KDCACHE_TORTURE") == "1"
@@ -87,7 +87,11 @@ def test_every_flipped_bit_in_the_data_is_caught_by_verify_and_the_reader(tmp_pa
         try:
             problems = verify(p)[1]
             assert problems, f"a flipped bit {bit} at byte {at} ({name}) passed verify"
-            if name != schema.DONE:  # the done flags are verify's: a mapped reader reads every row of a finished file
+            if name == schema.CHECKSUMS:  # the table is metadata: the seal covers it (test_seal.py)
+                assert "does not match its seal" in problems[0]
+                with pytest.raises(DamagedFileError, match="seal"):
+                    read_all(p, spec)
+            elif name != schema.DONE:  # the done flags are verify's: a mapped reader reads every row of a finished file
                 assert "do not match their crc32 checksum" in problems[0]
                 with pytest.raises(DamagedRowsError, match=r"samples \[\d+, \d+\) \(flat keys .*kdcache verify"):
                     read_all(p, spec)
@@ -123,6 +127,11 @@ def test_a_cache_written_before_checksums_is_read_and_said_to_have_none(tmp_path
     monkeypatch.setattr(checksums, "write", lambda *a, **k: None)  # what compaction wrote before checksums
     p, spec = small_cache(tmp_path)
     monkeypatch.undo()
+    # a sealed format promises checksums: one without them is refused, never read as an older file
+    with pytest.raises(DamagedFileError, match="without its checksums"):
+        CacheReader(p)
+    assert "without its checksums" in verify(p)[1][0]
+    as_format_1(p + ".h5")  # as kdcache wrote it before seals and checksums
     with h5py.File(p + ".h5", "r") as f:
         assert schema.CHECKSUMS not in f
     report, problems = verify(p)
@@ -141,6 +150,9 @@ def test_checksums_that_do_not_fit_the_rows_are_one_line(tmp_path):
     p, _ = small_cache(tmp_path)
     with h5py.File(p + ".h5", "r+") as f:
         f[schema.CHECKSUMS].attrs[schema.CK_SAMPLES] = 7  # another chunking than the table's
+    r = kdcache("verify", p)
+    assert r.returncode == 1 and "seal" in r.stdout, r.stdout + r.stderr  # changed after it was written
+    seal_again(p + ".h5")  # as a writer that got the table wrong would have sealed it
     r = kdcache("verify", p)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "checksums" in r.stderr, r.stderr
     with pytest.raises(Exception, match="its checksums are unreadable"):

@@ -161,6 +161,7 @@ def rewrite_chunked(path):
     with h5py.File(path, "r") as src, h5py.File(tmp, "w") as out:
         for k, v in src.attrs.items():
             out.attrs[k] = v
+        out.attrs[schema.A_FORMAT] = 1  # as an older kdcache wrote it: no seal
         for k in src:
             out.create_dataset(k, data=src[k][...], chunks=True)
     os.replace(tmp, path)

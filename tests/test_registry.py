@@ -14,7 +14,7 @@ from kdcache.store import CacheWriter, path_for, resolve_cache_dir, schema
 from kdcache.store.registry import final_path, parts_path
 from tests.conftest import ROOT
 from tests.test_compact_crash import SMALL, after_every_tool, crash, small, store_cli, what_is_left  # noqa: F401
-from tests.helpers import expected_logits, make_spec, produce
+from tests.helpers import expected_logits, make_spec, produce, seal_again
 
 
 def cli(*args, env=None):
@@ -88,12 +88,20 @@ def test_verify_exit_codes(populated):
         f[schema.LOGITS][3, 0, 2] = np.nan
     r = cli("verify", good)
     assert r.returncode == 1 and "NaN" in r.stdout
-    # metadata edited by hand: the recorded inputs no longer give the fingerprint
+    # metadata edited by hand: the seal no longer matches, the file is NOT sound
     with h5py.File(final_path(good), "r+") as f:
         f[schema.LOGITS][3, 0, 2] = 0
         f.attrs[schema.A_VIEWS] = 2
     r = cli("verify", good)
+    assert r.returncode == 1 and "NOT sound" in r.stdout and "seal" in r.stdout, r.stdout + r.stderr
+    # ... and sealed again by a writer that recorded inputs which do not give the fingerprint: not a cache
+    # this kdcache can check (exit 2, one line)
+    seal_again(final_path(good))
+    r = cli("verify", good)
     assert r.returncode == 2 and "does not match" in r.stderr and len(r.stderr.splitlines()) == 1
+    # not a cache at all: could not check
+    r = cli("verify", os.path.join(d, "nothing-here"))
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1
 
 
 def test_gc_dry_run_then_remove_incomplete_and_unused(populated):

@@ -13,7 +13,7 @@ from kdcache.store import (BadInputError, CacheNotFoundError, CacheReader, Cache
                    path_for, schema)
 from kdcache.store.registry import final_path, parts_path, verify
 from kdcache.store.segment import write_json_atomic
-from tests.helpers import expected_logits, make_spec, produce
+from tests.helpers import expected_logits, make_spec, produce, seal_again
 
 
 def build(cache_dir, spec, seed=0, batch=32):
@@ -45,7 +45,8 @@ def test_finished_file_is_self_describing_with_plain_h5py(cache_dir):
     with h5py.File(final_path(p), "r") as f:
         assert f.attrs[schema.A_FORMAT] == schema.FORMAT_VERSION
         assert isinstance(f.attrs[schema.A_FORMAT].item(), int)
-        assert f.attrs[schema.A_FINGERPRINT] == spec.fingerprint
+        # text is fixed-length bytes: stored in the object header HDF5 checksums, not in its global heap
+        assert f.attrs[schema.A_FINGERPRINT] == spec.fingerprint.encode()
         assert f.attrs[schema.A_COMPLETE] == 1
         assert json.loads(f.attrs[schema.A_INPUTS]) == spec.inputs
         assert f[schema.TOPK_VALUES].shape == (40, 2, 2) and f[schema.TOPK_VALUES].dtype == np.float16
@@ -220,6 +221,7 @@ def test_newer_format_version_is_refused(cache_dir):
     p = build(cache_dir, spec)
     with h5py.File(final_path(p), "r+") as f:
         f.attrs[schema.A_FORMAT] = schema.FORMAT_VERSION + 1
+    seal_again(final_path(p))  # as a newer kdcache would have written it
     with pytest.raises(UnsupportedFormatError, match="upgrade kdcache"):
         CacheReader(p)
     with pytest.raises(UnsupportedFormatError, match="upgrade kdcache"):
@@ -232,12 +234,12 @@ def test_garbage_named_like_a_cache_is_refused_and_kept(cache_dir, content):
     p = path_for(cache_dir, spec.fingerprint)
     with open(final_path(p), "wb") as fh:
         fh.write(content)
-    with pytest.raises(UnsupportedFormatError, match="not a readable HDF5"):
+    with pytest.raises(UnsupportedFormatError, match="not a kdcache cache file"):
         CacheReader(p)
     with pytest.raises(UnsupportedFormatError):
         CacheWriter(p, spec)
     assert open(final_path(p), "rb").read() == content
-    with pytest.raises(UnsupportedFormatError, match="not a readable HDF5"):
+    with pytest.raises(UnsupportedFormatError, match="not a kdcache cache file"):
         verify(p)
 
 
@@ -247,10 +249,10 @@ def test_truncated_cache_file_is_refused(cache_dir):
     size = os.path.getsize(final_path(p))
     with open(final_path(p), "r+b") as fh:
         fh.truncate(size // 2)
-    with pytest.raises(UnsupportedFormatError):
+    with pytest.raises(UnsupportedFormatError, match="truncated"):
         CacheReader(p).get(np.arange(2000))
-    with pytest.raises(UnsupportedFormatError):
-        verify(p)
+    problems = verify(p)[1]  # kdcache's file, changed: NOT sound
+    assert len(problems) == 1 and "truncated" in problems[0]
 
 
 def test_hdf5_file_without_kdcache_metadata(cache_dir):
@@ -318,7 +320,7 @@ def test_segments_hold_only_chunked_datasets(cache_dir):
     w = CacheWriter(p, spec)
     w.write([0], expected_logits([0], 10))
     with h5py.File(w.segment_path, "r", swmr=True) as f:
-        assert f.attrs[schema.A_KIND] == schema.KIND_SEGMENT
+        assert f.attrs[schema.A_KIND] == schema.KIND_SEGMENT.encode()
         assert sorted(f) == sorted([schema.SEG_KEYS, schema.SEG_STATE, schema.TOPK_VALUES,
                                     schema.TOPK_INDICES, schema.TOPK_LSE, schema.TOPK_LOGTAIL])
         for name in f:

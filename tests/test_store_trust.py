@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, event, example, given, settings, strategies 
 from kdcache.store import CacheReader, CacheWriter, FingerprintMismatchError, UnsupportedFormatError, path_for, schema
 from kdcache.store.spec import CacheSpec
 from tests.conftest import ROOT
-from tests.helpers import expected_logits, make_spec, produce
+from tests.helpers import expected_logits, make_spec, produce, seal_again
 
 ENV = {**os.environ, "PYTHONPATH": ROOT}
 DEAD_PID = 2 ** 22 + 1  # above the largest pid_max Linux allows: never a live process
@@ -179,8 +179,8 @@ def version(value):
 def same_meaning(attr, value, meta):
     """True when the edit leaves the attribute meaning what it meant: not a malformation."""
     v = read_as(value)
-    if attr == schema.A_FORMAT:
-        return version(value) == schema.FORMAT_VERSION
+    if attr == schema.A_FORMAT:  # any version this kdcache reads, of a file whose seal matches
+        return version(value) is not None and 1 <= version(value) <= schema.FORMAT_VERSION
     if attr == schema.A_CODEC:
         return isinstance(v, str) and v.strip().lower() == "full"  # another spelling of the same codec
     if attr == schema.A_INPUTS and isinstance(v, str):
@@ -199,6 +199,7 @@ def edited_copy(template, tmp_path, attr, value):
             del f.attrs[attr]
         else:
             f.attrs[attr] = value
+    seal_again(fin)  # the checks behind the seal, as if a writer had written the file so (test_seal.py: unsealed)
     return fin, os.path.dirname(fin)
 
 
@@ -302,11 +303,13 @@ def declaring_1e11_rows(d):
     """A ~7 KB file, named and signed as kdcache would, declaring 10^11 rows of 10 classes."""
     spec = make_spec(num_samples=10 ** 11, tag="huge")
     fin = path_for(d, spec.fingerprint) + ".h5"
-    with h5py.File(fin, "w") as f:
+    with h5py.File(fin, "w", userblock_size=4096) as f:
         for k, v in {**spec.meta(), schema.A_KIND: schema.KIND_CACHE, schema.A_COMPLETE: 1}.items():
             f.attrs[k] = v
         f.create_dataset("logits", (10 ** 11, 1, 10), np.float32)
         f.create_dataset("done", (10 ** 11, 1), np.uint8)
+        f.create_dataset(schema.CHECKSUMS, data=np.zeros((1, 1), np.uint32))
+    seal_again(fin)
     return fin
 
 
@@ -337,11 +340,12 @@ print(json.dumps(out))
 def test_a_file_not_stored_as_kdcache_stores_it_is_refused_fast_in_one_line(cache_dir, damage):
     if damage is declaring_1e11_rows:
         fin = damage(cache_dir)
-        assert os.path.getsize(fin) < 8 * 1024
+        assert os.path.getsize(fin) < 16 * 1024
     else:
         fin = finished(cache_dir, make_spec(num_samples=200, tag="structure")) + ".h5"
         with h5py.File(fin, "r+") as f:
             damage(f, cache_dir)
+        seal_again(fin)  # sealed as it is: the structure checks behind the seal refuse it
     p = py(MEASURE, fin)
     out, err = p.communicate(timeout=120)
     assert p.returncode == 0 and not err, err
@@ -368,6 +372,9 @@ def test_metadata_edited_to_another_key_layout_is_refused(cache_dir, tmp_path):
     shutil.copy(fin, tmp_path / "sound.h5")
     with h5py.File(fin, "r+") as f:
         f.attrs.update(relayout)
+    with pytest.raises(UnsupportedFormatError, match="seal"):  # an edit: the seal refuses it first
+        CacheReader(fin)
+    seal_again(fin)  # and written so, the fingerprint recomputed from the metadata refuses it
     with pytest.raises(UnsupportedFormatError, match="does not match"):
         CacheReader(fin)
     one_line_naming(cli("verify", fin), fin)

@@ -113,9 +113,10 @@ def check(args):
     if problems:
         return report
     from kdcache.store import CacheSpec
-    from kdcache.store.segment import open_final
-    with open_final(registry.final_path(base)) as f:  # sound: a finished file of a known format version
-        spec = CacheSpec.from_meta(dict(f.attrs))
+    from kdcache.store.segment import open_final, read_meta
+    fin = registry.final_path(base)
+    with open_final(fin) as f:  # sound: a finished file of a known format version
+        spec = CacheSpec.from_meta(read_meta(f, fin))
         topt = recorded_teacher(args, spec.inputs.get("teacher"), report["path"])
         dataset, augment, seed = recorded_inputs(args, spec.inputs)
         report["teacher_check"] = compare(args, f, spec, topt, dataset, augment, seed)

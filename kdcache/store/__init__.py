@@ -3,7 +3,7 @@
 Imports no deep-learning framework: any program with numpy and h5py can read a cache.
 """
 from .codec import make_codec
-from .errors import (BadInputError, CacheNotFoundError, ConsumerGoneError, FingerprintMismatchError,
+from .errors import (BadInputError, CacheNotFoundError, ConsumerGoneError, DamagedFileError, FingerprintMismatchError,
                      MissingTargetsError, ProducerGoneError, StoreError, UnsupportedFormatError,
                      WriterBusyError)
 from .fingerprint import file_digest, fingerprint
@@ -16,5 +16,5 @@ from .writer import CacheWriter, finalize
 
 __all__ = ["CacheSpec", "CacheWriter", "CacheReader", "EnsembleReader", "finalize", "make_codec", "fingerprint",
            "file_digest", "path_for", "resolve_cache_dir", "FORMAT_VERSION", "StoreError",
-           "BadInputError", "CacheNotFoundError", "ConsumerGoneError", "FingerprintMismatchError",
+           "BadInputError", "CacheNotFoundError", "ConsumerGoneError", "DamagedFileError", "FingerprintMismatchError",
            "MissingTargetsError", "ProducerGoneError", "UnsupportedFormatError", "WriterBusyError"]

@@ -194,6 +194,15 @@ def main(argv=None, prog="python -m kdcache.store"):
     except StoreError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:
+        if args.fn is not cmd_verify:
+            raise  # a bug in kdcache shows as one
+        # verify's exit status is a verdict: 0 sound, 1 not sound, 2 could not check -- never 1 for a crash
+        import traceback
+        traceback.print_exc()
+        print(f"error: could not check {args.path} ({type(e).__name__}): this is a bug in kdcache, please report it "
+              f"with the lines above", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -49,9 +49,9 @@ def compute(tables, spec, samples=None):
 def write(h5file, table, spec, samples=None):
     """The checksums dataset and its attributes in an open (new) cache file."""
     d = h5file.create_dataset(schema.CHECKSUMS, data=table)
-    d.attrs[schema.CK_ALGORITHM] = ALGORITHM
+    d.attrs[schema.CK_ALGORITHM] = schema.attr_value(ALGORITHM)
     d.attrs[schema.CK_SAMPLES] = int(samples or samples_per_chunk(spec))
-    d.attrs[schema.CK_FIELDS] = json.dumps([name for name, _, _ in spec.make_codec().fields])
+    d.attrs[schema.CK_FIELDS] = schema.attr_value(json.dumps([name for name, _, _ in spec.make_codec().fields]))
 
 
 class Sums:

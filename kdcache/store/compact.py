@@ -20,7 +20,7 @@ import h5py
 import numpy as np
 from h5py import h5d, h5p
 
-from . import checksums, schema
+from . import checksums, schema, seal
 from .errors import NoSpaceError, StoreError
 from .osutil import NotOurs, available_memory, fs_error, fsync_dir, is_ours, open_regular
 from .paths import COMPACT_TMP, base_path, compact_tmp, discard, final_path, parts_path
@@ -111,16 +111,20 @@ def _write_final(tmp, spec, codec, tables, block):
     places = []
     sums = checksums.compute(tables, spec)  # of the bytes written below (NOTE [checksums])
     try:
-        with h5py.File(tmp, "w", alignment_threshold=64 << 10, alignment_interval=4096) as out:
+        # The first SEAL_BYTES are HDF5's user block, for the seal (NOTE [the seal]); the v110 format
+        # checksums HDF5's own metadata too, for readers that open the file with h5py alone.
+        with h5py.File(tmp, "w", userblock_size=seal.SEAL_BYTES, libver=("v110", "v110"),
+                       alignment_threshold=64 << 10, alignment_interval=4096) as out:
             for k, val in spec.meta().items():
-                out.attrs[k] = val
-            out.attrs[schema.A_KIND] = schema.KIND_CACHE
+                out.attrs[k] = schema.attr_value(val)
+            out.attrs[schema.A_KIND] = schema.attr_value(schema.KIND_CACHE)
             out.attrs[schema.A_COMPLETE] = 1
             for name, shape, dtype in codec.fields:
                 d = out.create_dataset(name, shape=(n, v) + tuple(shape), dtype=dtype, dcpl=early,
                                        fill_time="never")
                 places.append((name, d.id.get_offset()))
-            out.create_dataset(schema.DONE, data=np.ones((n, v), dtype=np.uint8))
+            done = out.create_dataset(schema.DONE, data=np.ones((n, v), dtype=np.uint8))
+            done_place = (done.id.get_offset(), n * v)
             checksums.write(out, sums, spec)
     except (OSError, RuntimeError) as e:  # h5py's close after a failed write raises RuntimeError
         quiet_h5py_dealloc_errors()
@@ -141,6 +145,7 @@ def _write_final(tmp, spec, codec, tables, block):
                     k = os.pwrite(fd, buf, at)
                     buf, at = buf[k:], at + k
                 step("writing")
+        seal.write(fd, [(off, tables[name].nbytes) for name, off in places] + [done_place])
         os.fsync(fd)
     finally:
         os.close(fd)

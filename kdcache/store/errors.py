@@ -17,6 +17,16 @@ class UnsupportedFormatError(StoreError):
     """A file is not a kdcache cache, or was written by a newer format version."""
 
 
+class DamagedFileError(UnsupportedFormatError):
+    """A kdcache file that changed after it was written: its seal or its structure does not match
+    (store.seal). `kdcache verify` reports it NOT sound; `gc` removes it as damaged. `ours`: known to be
+    kdcache's (sealed, or its kdcache metadata was read); False for an unsealed file no one could read."""
+
+    def __init__(self, message, *, ours=True):
+        super().__init__(message)
+        self.ours = ours
+
+
 class DamagedRowsError(UnsupportedFormatError):
     """Stored rows that cannot be what a writer wrote (a class index past the class count): the file was
     changed after it was written. `rows`: their positions in the batch being decoded."""

@@ -3,7 +3,7 @@ import hashlib
 import json
 import os
 
-from .schema import FORMAT_VERSION
+from .schema import KEY_FORMAT
 
 FINGERPRINT_HEX = 20  # 80 bits: collisions are not a practical concern for a cache directory
 
@@ -29,7 +29,7 @@ def canonical(inputs):
 
 def fingerprint(inputs):
     """Hex digest naming a cache built from `inputs` (a dict of plain data)."""
-    payload = canonical({"format": FORMAT_VERSION, **inputs})
+    payload = canonical({"format": KEY_FORMAT, **inputs})
     return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:FINGERPRINT_HEX]
 
 

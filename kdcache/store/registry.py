@@ -2,17 +2,14 @@
 import os
 import time
 
-import h5py
-
-from . import schema
-from .errors import NewerFormatError, NoSpaceError, StoreError
+from . import schema, seal
+from .errors import DamagedFileError, NewerFormatError, NoSpaceError, StoreError
 from .fingerprint import is_fingerprint
 from .housekeeping import final_spec, last_write, locked, parts_spec, remove_stale, settle, stale_files
 from .osutil import NotOurs, listdir, own, read_regular, regular, skipped
 from .paths import (DEFAULT_DIR, ENV_DIR, OWN_PART, base_path, discard, exists, final_path, foreign_files,  # noqa: F401
                     parts_path, path_for, resolve_cache_dir)
-from .segment import count_done, lock_holders
-from .validate import looks_like_hdf5
+from .segment import count_done, lock_holders, open_final
 from .verify import verify  # noqa: F401 (python -m kdcache.store verify)
 
 NOT_A_CACHE = "not a cache"
@@ -117,13 +114,18 @@ def _not_ours(base):
     if os.path.lexists(fin):
         if os.path.islink(fin) or not os.path.isfile(fin):
             return "not a regular file"
-        if not looks_like_hdf5(fin):
+        kind = seal.sniff(fin)
+        if kind is None:
             return "not an HDF5 file"
         try:
-            with h5py.File(fin, "r") as f:
+            with open_final(fin) as f:
                 if schema.A_FORMAT not in f.attrs:
                     return "an HDF5 file without kdcache metadata"
-        except Exception:
+        except DamagedFileError as e:
+            if kind == "sealed" or e.ours:
+                return None  # kdcache's own, damaged: info says so and gc removes it
+            return "an HDF5 file that cannot be opened (remove it by hand if it is a damaged cache)"
+        except (StoreError, OSError):
             return "an HDF5 file that cannot be opened (remove it by hand if it is a damaged cache)"
         return None
     if os.path.islink(parts) or not os.path.isdir(parts):

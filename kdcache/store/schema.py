@@ -3,7 +3,8 @@
 A cache lives at a base path P (by default ``<cache dir>/<fingerprint>``):
 
 * ``P.h5`` -- the finished cache, written once every key is done (temporary name, fsync,
-  rename). Datasets are indexed ``[sample, view, ...]`` so plain h5py/h5dump users see the
+  rename). Its first 4 KiB are an HDF5 user block holding the file's seal (store.seal): the
+  digest of every byte HDF5 parses, checked before the HDF5 library reads the file. Datasets are indexed ``[sample, view, ...]`` so plain h5py/h5dump users see the
   layout directly; attribute ``complete`` is 1.
 * ``P.parts/`` -- the cache while producers fill it: ``manifest.json`` (the metadata),
   one SWMR segment file per producer run ``seg-*.h5`` (rows appended in the order they were
@@ -17,7 +18,11 @@ import numpy as np
 
 from .errors import BadInputError, NewerFormatError, UnsupportedFormatError
 
-FORMAT_VERSION = 1  # bump when a file written by this code cannot be read by older code
+FORMAT_VERSION = 2  # bump when a file written by this code cannot be read by older code
+SEALED_SINCE = 2    # finished files of this format version and later carry a seal (store.seal) and checksums
+# The version of what a fingerprint names -- the rows a producer writes -- apart from the file's format:
+# a new container (the seal of version 2) keeps every cache's fingerprint, so caches built before are found.
+KEY_FORMAT = 1
 
 # --- file names -------------------------------------------------------------------------
 FINAL_SUFFIX = ".h5"
@@ -78,6 +83,14 @@ KEY_LAYOUT = "flat key = sample_index * views + view; final datasets are [sample
 
 KIND_CACHE = "cache"
 KIND_SEGMENT = "segment"
+
+
+def attr_value(v):
+    """An attribute value as kdcache stores it: text as fixed-length UTF-8 bytes, so it sits in the
+    object header that HDF5 checksums, never in the global heap that it does not."""
+    if isinstance(v, str):
+        return np.bytes_(v.encode("utf-8"))
+    return v
 
 
 def flat_keys(indices, views, num_samples, num_views, *, check_upper=True):

@@ -11,8 +11,8 @@ import time
 import h5py
 import numpy as np
 
-from . import schema
-from .errors import UnsupportedFormatError
+from . import probe, schema, seal
+from .errors import CacheChangedError, CacheNotFoundError, DamagedFileError, UnsupportedFormatError
 from .osutil import NotOurs, is_ours, listdir, open_regular, read_regular, regular, skipped
 from .validate import check_committed, check_keys, check_segment, read_meta  # noqa: F401 (read_meta: re-exported)
 
@@ -53,9 +53,9 @@ def create_segment(directory, spec, codec, rows, shard, nshards):
     f = h5py.File(tmp, "w", libver="latest")
     try:
         for k, v in spec.meta().items():
-            f.attrs[k] = v
-        f.attrs[schema.A_KIND] = schema.KIND_SEGMENT
-        f.attrs[schema.A_SHARD] = f"{shard}/{nshards}"
+            f.attrs[k] = schema.attr_value(v)
+        f.attrs[schema.A_KIND] = schema.attr_value(schema.KIND_SEGMENT)
+        f.attrs[schema.A_SHARD] = schema.attr_value(f"{shard}/{nshards}")
         f.attrs[schema.A_COMPLETE] = 0
         for fname, shape, dtype in codec.fields:
             f.create_dataset(fname, shape=(rows,) + tuple(shape), dtype=dtype,
@@ -110,14 +110,72 @@ def _check_regular(path, what):
 
 
 def open_final(path):
-    """Open a finished cache file read-only, with a clear error when it is not one."""
-    _check_regular(path, "cache file")
+    """Open a finished cache file read-only once its seal says the HDF5 library may read it (NOTE [the
+    seal]); a file written before seals existed is read by a child process first (store.probe). A
+    damaged file is DamagedFileError, anything else that is not a cache UnsupportedFormatError: one line."""
     try:
-        return h5py.File(path, "r")
-    except (OSError, RuntimeError) as e:
-        raise UnsupportedFormatError(
-            f"{path}: not a readable HDF5 file ({e}): it is truncated, damaged or of another format. "
-            f"Remove it (kdcache gc removes damaged caches, or rm) and rebuild the cache") from None
+        fd, st = open_regular(path)  # no link followed, no FIFO waited on
+    except NotOurs as e:
+        raise UnsupportedFormatError(f"{path} is {e.why}, not a kdcache cache file: move it out of the cache "
+                                     f"directory") from None
+    except FileNotFoundError:
+        raise CacheNotFoundError(f"{path}: no such cache file (removed or compacted meanwhile): run the "
+                                 f"command again") from None
+    try:
+        record = seal.check(fd, path)
+        if record is None and not probe.in_child():
+            probe.check(path, st)
+        try:
+            f = h5py.File(path, "r")
+        except (OSError, RuntimeError) as e:
+            raise UnsupportedFormatError(
+                f"{path}: not a readable HDF5 file ({e}): it is truncated, damaged or of another format. "
+                f"Remove it (kdcache gc removes damaged caches, or rm) and rebuild the cache") from None
+        try:
+            if not os.path.samestat(os.fstat(f.id.get_vfd_handle()), os.fstat(fd)):
+                raise CacheChangedError(f"{path} was replaced while it was opened: run the command again")
+            _check_sealed(f, path, record)
+        except BaseException:
+            f.close()
+            raise
+    finally:
+        os.close(fd)
+    return f
+
+
+def _check_sealed(f, path, record):
+    """The seal left out exactly the rows and the done flags; a file of a sealed format has its seal
+    and its checksums (a version number alone could otherwise switch both checks off)."""
+    try:
+        version = int(f.attrs.get(schema.A_FORMAT, 0))
+    except (TypeError, ValueError, OverflowError):
+        version = 0  # named by read_meta, which every caller runs next
+    if record is None:
+        if version >= schema.SEALED_SINCE:
+            raise DamagedFileError(f"{path}: format version {version} promises a seal, the file has none (its first "
+                                   f"bytes were changed): {seal.FIX}")
+        return
+    if schema.CHECKSUMS not in f:
+        raise DamagedFileError(f"{path}: a sealed cache file without its {schema.CHECKSUMS} dataset: {seal.FIX}")
+    # a finished file holds the codec's fields, the done flags and the checksum table: all but the table
+    left_out = sorted(tuple(r) for r in record["skip"])
+    if left_out != stored_rows(f):
+        raise DamagedFileError(f"{path}: its seal leaves out other bytes than its rows: {seal.FIX}")
+
+
+def stored_rows(f):
+    """[(offset, bytes)] of the datasets of a finished file stored in it, but the checksum table: what its
+    seal leaves out. Links, groups and data kept elsewhere are not followed (validate.check_links names them)."""
+    out = []
+    for k in f.keys():
+        if k == schema.CHECKSUMS or not isinstance(f.get(k, getlink=True), h5py.HardLink):
+            continue
+        d = f.get(k)
+        # no storage yet: HDF5's "undefined address" (offset None, or wrapped past the user block)
+        if isinstance(d, h5py.Dataset) and not d.is_virtual and not d.external and d.id.get_storage_size() > 0 \
+                and d.id.get_offset() is not None:
+            out.append((d.id.get_offset(), d.id.get_storage_size()))
+    return sorted(out)
 
 
 def committed_rows(f, spec=None):

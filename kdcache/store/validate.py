@@ -19,7 +19,6 @@ from .osutil import available_memory, open_regular
 FIX = "it is damaged or not a kdcache cache: remove it (kdcache gc removes damaged caches) and rebuild"
 REQUIRED = (schema.A_FORMAT, schema.A_FINGERPRINT, schema.A_INPUTS, schema.A_NUM_SAMPLES, schema.A_VIEWS,
             schema.A_NUM_CLASSES, schema.A_CODEC, schema.A_DTYPE)
-HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 
 
 def bad(where, what, fix=FIX):
@@ -196,13 +195,3 @@ def check_scale(spec, where):
         raise bad(where, f"declares {spec.num_keys:,} keys: indexing them needs {need:,} bytes, more than the "
                          f"{free:,} bytes of memory available", fix="check the manifest, or read it on a "
                                                                       "machine with more memory")
-
-
-def looks_like_hdf5(path):
-    """True when `path` is a regular file that starts like HDF5 (opened without blocking: a FIFO is not)."""
-    try:
-        fd, _ = open_regular(path)
-    except OSError:
-        return False
-    with open(fd, "rb") as fh:
-        return fh.read(8) == HDF5_SIGNATURE

@@ -5,7 +5,7 @@ import os
 import numpy as np
 
 from . import checksums, schema
-from .errors import StoreError, UnsupportedFormatError
+from .errors import DamagedFileError, StoreError, UnsupportedFormatError
 from .housekeeping import settle
 from .paths import base_path, final_path, parts_path
 from .segment import committed_rows, list_segments, open_final, open_swmr, read_manifest, read_segment_rows
@@ -96,7 +96,14 @@ def verify(path, *, block_rows=65536):
 
     try:
         if os.path.exists(fin):
-            with open_final(fin) as f:
+            try:
+                f = open_final(fin)
+            except DamagedFileError as e:  # kdcache's file, changed since it was written: NOT sound
+                if not e.ours:
+                    raise
+                problems.append(str(e).splitlines()[0])
+                return report, problems
+            with f:
                 meta = read_meta(f, fin)
                 spec = spec_from_meta(meta, fin, name=name)
                 check_final(f, fin, spec)

@@ -175,8 +175,8 @@ TRAINER = [
     Option("--run", "run name: outputs go to <runs-dir>/<run>/ (default: a time stamp)", type=Name(),
            metavar="NAME", group="run", make="RUN"),
     Option("--runs-dir", "where runs are written", type=Dir(), default="runs", metavar="DIR", group="run"),
-    Option("--resume", "continue <runs-dir>/<run>/ from its last checkpoint (needs --run)", action="store_true",
-           group="run"),
+    Option("--resume", "continue <runs-dir>/<run>/ from its last checkpoint (needs --run), with the run's options: "
+           "one that differs is refused (docs/recipe.md lists those that may)", action="store_true", group="run"),
     Option("--quiet", "no progress bars", action="store_true", group="run"),
     Option("--json", "end with the metrics as one JSON line", action="store_true", group="run"),
 ]

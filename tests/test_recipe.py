@@ -200,12 +200,15 @@ def test_recipe_sweep_quick_writes_its_table(tmp_path):
 
 
 def test_resume_with_another_optimizer_names_the_one_to_use(tmp_path):
-    train(tmp_path, "--teacher-mode", "none", "--epochs", 1, "--optimizer", "adam", "--lr", 0.01, "--run", "r")
-    r = train(tmp_path, "--teacher-mode", "none", "--epochs", 2, "--run", "r", "--resume", check=False)
+    # a constant rate: the run may train on to more epochs (a cosine schedule ends at its --epochs)
+    train(tmp_path, "--teacher-mode", "none", "--epochs", 1, "--optimizer", "adam", "--lr", 0.01, "--lr-mode",
+          "constant", "--run", "r")
+    r = train(tmp_path, "--teacher-mode", "none", "--epochs", 2, "--lr-mode", "constant", "--run", "r", "--resume",
+              check=False)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("error: --resume: ") and "--optimizer adam" in r.stderr
-    train(tmp_path, "--teacher-mode", "none", "--epochs", 2, "--optimizer", "adam", "--lr", 0.01, "--run", "r",
-          "--resume")
+    train(tmp_path, "--teacher-mode", "none", "--epochs", 2, "--optimizer", "adam", "--lr", 0.01, "--lr-mode",
+          "constant", "--run", "r", "--resume")
     assert [r["epoch"] for r in rows(tmp_path / "runs" / "r")] == ["1", "2"]
 
 

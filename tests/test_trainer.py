@@ -178,7 +178,7 @@ def test_resume_never_unpickles_the_optimizer_state(tmp_path):
     Trainer.save_states writes (trainer.states) or in place of the state arrays is never run;
     an older run's pickled trainer.states is refused with one error line, not loaded."""
     import pickle
-    base = ["--teacher-mode", "none", "--seed", 1, "--threads", 1, "--run", "r"]
+    base = ["--teacher-mode", "none", "--seed", 1, "--threads", 1, "--lr-mode", "constant", "--run", "r"]
     train(tmp_path, *base, "--epochs", 1)
     run = tmp_path / "runs" / "r"
     marker = tmp_path / "pwned"

@@ -84,12 +84,18 @@ def train_main(argv=None, prog="python -m kdcache.trainer"):
     from kdcache.trainer.plan import MXNET_DATASETS, make_plan
     from kdcache.trainer.producer import Targets, split_threads
     from kdcache.threads import fix_threads
-    targets = None
+    targets = state = None
     try:
+        if args.resume and not (args.kvstore or "").startswith("dist"):
+            # A resumed run is the run it was: its options are compared now, before any process starts,
+            # and what they name once the plan is made, before a producer writes into the run's folder.
+            from kdcache.trainer import resume
+            state = resume.check(run_dir, args)
         # The producer starts first, before this process loads its data or imports MXNet: its own
         # start-up (MXNet, data, teacher) overlaps ours. Into a cache it waits for the plan to name it.
         signals.check()  # a stop during the start so far: before any process is started
-        targets = Targets.start(args, run_dir, split_threads(args, cores, None), cores)
+        targets = Targets() if state is not None else \
+            Targets.start(args, run_dir, split_threads(args, cores, None), cores)
         # The data, the teacher's identity and the cache's fingerprint, once; for data sets MXNet
         # decodes, after the threads are fixed.
         from kdcache.pipeline.pieces import is_piece  # a user's MODULE may import MXNet: after the threads too
@@ -103,6 +109,9 @@ def train_main(argv=None, prog="python -m kdcache.trainer"):
             from kdcache.trainer.train import resolve_ctx
             resolve_ctx(args.ctx)
         plan = plan or make_plan(args)
+        if state is not None:
+            resume.check_content(state, resume.identity(args, plan), run_dir)
+            targets = Targets.start(args, run_dir, split_threads(args, cores, None), cores)
         signals.check()  # before a held producer is sent on
         targets.settle(args, plan)
         from kdcache.trainer.train import run

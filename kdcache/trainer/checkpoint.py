@@ -18,6 +18,7 @@ import os
 import mxnet as mx
 
 from kdcache.trainer.errors import TrainError
+from kdcache.trainer.resume import read_state
 
 log = logging.getLogger("kdcache.trainer")
 
@@ -226,16 +227,9 @@ def load_optimizer_state(run_dir, trainer, record, epoch):
 
 
 def load_checkpoint(run_dir, net, trainer):
-    path = os.path.join(run_dir, "state.json")
-    if not os.path.exists(path):
-        raise TrainError(f"--resume: {run_dir} has no checkpoint (state.json): run without --resume")
-    try:
-        with open(path) as fh:
-            state = json.load(fh)
-    except (OSError, ValueError) as e:
-        raise TrainError(f"--resume: {path} is not readable JSON ({e}): start the run again") from None
-    if not isinstance(state, dict) or type(state.get("epoch")) is not int or state["epoch"] < 0:
-        raise TrainError(f"--resume: {path} names no finished epoch: start the run again")
+    """The student's parameters and the optimiser state of the run's last finished epoch; its
+    record (state.json) was compared with the command before (kdcache.trainer.resume)."""
+    state = read_state(run_dir)
     e = state["epoch"]
     saved = mx.nd.load(os.path.join(run_dir, f"student-{e:04d}.params"))
     params = net.collect_params()

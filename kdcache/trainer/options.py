@@ -175,12 +175,40 @@ TRAINER = [
     Option("--run", "run name: outputs go to <runs-dir>/<run>/ (default: a time stamp)", type=Name(),
            metavar="NAME", group="run", make="RUN"),
     Option("--runs-dir", "where runs are written", type=Dir(), default="runs", metavar="DIR", group="run"),
-    Option("--resume", "continue <runs-dir>/<run>/ from its last checkpoint (needs --run)", action="store_true",
-           group="run"),
+    Option("--resume", "continue <runs-dir>/<run>/ from its last checkpoint (needs --run), with the run's options: "
+           "one that differs is refused (docs/recipe.md lists those that may)", action="store_true", group="run"),
     Option("--quiet", "no progress bars", action="store_true", group="run"),
     Option("--json", "end with the metrics as one JSON line", action="store_true", group="run"),
 ]
 
+
+# --- what a resumed run may change -------------------------------------------------------------
+# `--resume` continues a run as the run it was: every option of SHARED + TRAINER is compared with
+# the run's record (kdcache.trainer.resume) and a difference is refused, except the options below.
+# A new option is compared until it is listed here, so it cannot be forgotten.
+MAY_DIFFER = {
+    "threads": "compute threads: how fast the same steps run",
+    "producer_threads": "the producer's threads: how fast the same rows are written",
+    "ctx": "the devices the same steps run on",
+    "ring_capacity": "a buffer's size: the same rows pass through it",
+    "wait_timeout": "how long a missing target is waited for",
+    "no_producer": "who fills the cache, not what it holds",
+    "save_every": "which epochs' parameters are kept, not what they are",
+    "run": "names the run", "runs_dir": "where the run is", "resume": "this is the resume",
+    "quiet": "output only", "json": "output only",
+}
+# Options that name files: compared by their content (the run records the data set's digest, the
+# teacher's and the cache's fingerprint, the augmentation's spec), so a moved folder still resumes.
+# A run recorded without that content compares their values instead.
+BY_CONTENT = {"data_root": "dataset", "teacher": "teacher", "cache": "cache", "cache_dir": "cache",
+              "augment": "augment"}
+
+
+def epochs_in_schedule(lr_mode, lr_steps):
+    """Whether --epochs shapes the learning rate of every update: cosine decays to 0 at the last
+    epoch, step without --lr-steps steps at half and three quarters of it. Then a resume must keep
+    --epochs; with constant or step at given epochs it may train on to another --epochs."""
+    return lr_mode == "cosine" or (lr_mode == "step" and lr_steps is None)
 
 def build_parser(prog="python -m kdcache.trainer"):
     p = Parser(prog=prog, description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)

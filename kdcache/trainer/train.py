@@ -23,6 +23,7 @@ from kdcache.trainer.models import check_student, get_model, model_identity
 from kdcache.trainer.options import recorded
 from kdcache.trainer.prefetch import Prefetcher
 from kdcache.trainer.recipe import EpochLog, Subset, schedule_of, val_indices
+from kdcache.trainer import resume as resumed
 from kdcache.trainer.errors import TrainError
 
 log = logging.getLogger("kdcache.trainer")
@@ -207,6 +208,9 @@ def run(args, plan, targets, threads, cores):
     kv, rank, workers = join_kvstore(args)
     run_name = args.run_name
     run_dir = run_folder(args, rank, workers)
+    ident = resumed.identity(args, plan)  # recorded with every checkpoint: a resume compares it
+    if args.resume and (args.kvstore or "").startswith("dist"):  # one worker's folder, known by its rank now
+        resumed.check(run_dir, args, ident)
     mx.random.seed(args.seed)
     np.random.seed(args.seed)
     mode = args.teacher_mode
@@ -333,7 +337,8 @@ def run(args, plan, targets, threads, cores):
             keep = {epoch} | ({best["epoch"]} if best else set()) | \
                 ({e for e in range(epoch + 1) if (e + 1) % args.save_every == 0} if args.save_every else set())
             save_checkpoint(run_dir, net, trainer, epoch, {"history": history, "args": recorded(args), "best": best,
-                                                           "rank": rank, "workers": workers, "kvstore": args.kvstore},
+                                                           "identity": ident, "rank": rank, "workers": workers,
+                                                           "kvstore": args.kvstore},
                             keep=keep)
             interrupts.check()
     finally:

@@ -296,3 +296,16 @@ def test_records_follow_rows_of_a_cache_still_being_written(tmp_path):
     assert w.close()
     with kdcache.CacheReader(path) as r:
         assert np.array_equal(r.items(np.arange(n)), want)
+
+
+def test_a_cache_of_several_views_records_each_sample_once(tmp_path, teacher):
+    """Only view 0's rows are digested (one digest a sample), and every sample's record is in the finished file."""
+    path = kdcache.build_cache(teacher, "digits", cache_dir=str(tmp_path / "c"), views=2, augment="crop:1", seed=3)
+    digits = kdcache.load_dataset("digits")
+    with kdcache.CacheReader(path) as r:
+        assert np.array_equal(r.items(np.arange(len(digits))), item_records(*digits.get_batch(np.arange(len(digits)))))
+    ds = kdcache.SoftTargetDataset(split(0), path, views=2, augment="crop:1", seed=3)
+    ds.set_epoch(1)
+    assert ds[10][2].shape == (10,)
+    with pytest.raises(StoreError, match="another data set: item"):
+        kdcache.SoftTargetDataset(split(1), path, views=2, augment="crop:1", seed=3)

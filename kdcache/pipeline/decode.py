@@ -30,6 +30,8 @@ import signal
 
 import numpy as np
 
+from kdcache.store.items import unknown
+
 from .digests import item_records
 
 PREFETCH = 2  # batches asked for ahead of the one the teacher runs
@@ -53,9 +55,16 @@ def default_workers(dataset, teacher_threads, cores, producers=1):
 
 def views_and_items(dataset, indices, views, *, seed, augment):
     """(images of keys (indices, views) as augment.make_views makes them, the records of the data set
-    items they were made from: pipeline.digests NOTE [item digests])."""
+    items they were made from: pipeline.digests NOTE [item digests]). Only view 0's rows get theirs
+    (the others' are left unknown): one digest per sample, whatever the view count."""
     x, y = dataset.get_batch(indices)
-    rec = item_records(x, y)  # first: an augmentation may work in place
+    first = np.broadcast_to(np.asarray(views) == 0, (len(y),))
+    if first.all():  # before the augmentation: it may work in place
+        rec = item_records(x, y)
+    else:
+        rec = unknown(len(y))
+        for i in np.flatnonzero(first):
+            rec[i] = item_records(x[i:i + 1], np.asarray(y)[i:i + 1])[0]
     return augment.apply(x, seed, indices, views), rec
 
 

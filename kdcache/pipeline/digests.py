@@ -1,4 +1,4 @@
-"""Content digests (sha256) of the files a data set reads, remembered per user so a rerun reads nothing.
+"""Content digests (sha256) of the files a data set reads, remembered per user so a rerun reads nothing; and of its items.
 
 A data set's identity goes into cache fingerprints, so it covers every byte of every file it reads:
 a file changed in place must never keep its digest. Reading a large data set takes minutes, so each
@@ -9,6 +9,8 @@ memo keeps entries). The ctime is there because the mtime alone can be put back:
 keep its key; no user call sets the ctime, and every write or restored mtime moves it. The memo is
 $KDCACHE_DIGEST_MEMO, else $XDG_CACHE_HOME/kdcache/digests.json (default ~/.cache/kdcache/). It is
 only a shortcut: a memo that cannot be read or written is ignored.
+
+item_digest / item_records: one item's digest, what a cache records of each item (NOTE [item digests]).
 """
 import hashlib
 import json

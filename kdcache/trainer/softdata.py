@@ -11,6 +11,9 @@ itself on first use, after the fork: a finished cache is then mapped once for al
 pages shared), and a cache still being written is followed as the producer commits rows.
 Threads (a DataLoader with thread_pool=True) share their process's reader, which is safe for them
 (store.reader's NOTE [threads]).
+
+A plain data set (no identity(), a user's own) is compared with the cache item by item, each item the
+first time any process reads it (trainer.itemcheck NOTE [item check]).
 """
 import ctypes
 import json

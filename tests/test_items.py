@@ -178,7 +178,7 @@ def test_a_cache_written_before_item_records_is_checked_by_length_and_says_so(tm
     with h5py.File(path + ".h5", "r") as f:
         assert "items" not in f
     other = [(data[i] + 1, 0) for i in range(n)]
-    with pytest.warns(UserWarning, match="records no items of its data set .* checked by its length only"):
+    with pytest.warns(UserWarning, match="no record of its data set's items .* checked by its length only"):
         ds = kdcache.SoftTargetDataset(other, path)
     assert ds[n - 1][2].shape == (3,)
 
@@ -254,7 +254,7 @@ def test_property_one_changed_item_is_named_exactly_and_the_same_items_are_accep
 
     def read_all():
         with warnings.catch_warnings():
-            warnings.filterwarnings("error", message=".*records no items")  # a cache recording them says nothing
+            warnings.filterwarnings("error", message=".*no record of its data set's items")  # a cache recording them says nothing
             if use_iter:
                 with kdcache.CacheReader(path) as reader:
                     it = kdcache.SoftTargetIter(items, reader, batch_size=7)

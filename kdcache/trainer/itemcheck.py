@@ -99,7 +99,7 @@ class ItemCheck:
     def warn_unrecorded(self, reader):
         """Say once that a finished cache records no items (written before records existed)."""
         if getattr(reader, "complete", False) and not known(reader.items(np.arange(min(self.n, 1)))).any():
-            warnings.warn(f"{self.where} records no items of its data set (written by a kdcache before it kept "
+            warnings.warn(f"{self.where}: no record of its data set's items (written by a kdcache before it kept "
                           f"them): this data set is checked by its length only; build the cache again to have "
                           f"every item checked", stacklevel=3)
 

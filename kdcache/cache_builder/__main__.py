@@ -368,14 +368,17 @@ def fill(args, log, shard, path, spec, dataset, augment, topt, result, t0, timel
     from kdcache.cache_builder.produce import CacheSink, produce_offline, produce_online
     from kdcache.pipeline.schedule import EpochDigests
     from kdcache.pipeline.teacher import check_fits, load_teacher
-    from kdcache.store import CacheWriter
+    from kdcache.store import CacheWriter, FingerprintMismatchError
     from kdcache.store.registry import final_path
     args_shard = f"{shard[0]}/{shard[1]}"
     if teacher is None and not os.path.exists(final_path(path)):
         # The teacher must fit the data before anything is written: a mistake leaves no cache behind.
         teacher = load_teacher(topt, args.batch_size)
         check_fits(teacher, dataset, augment, args.seed)
-    writer = CacheWriter(path, spec, shard=shard)
+    try:
+        writer = CacheWriter(path, spec, shard=shard)
+    except FingerprintMismatchError as e:
+        raise other_items(e, path, spec, dataset) from None
     try:
         if writer.complete or writer.remaining == 0:
             log.info("cache %s is already %s for this shard: reused, the teacher ran 0 times",
@@ -407,6 +410,42 @@ def fill(args, log, shard, path, spec, dataset, augment, topt, result, t0, timel
     result.update(complete=bool(complete), seconds=round(time.perf_counter() - t0, 3),
                   cache_path=path + ".h5" if complete else path + ".parts")
     return result
+
+
+def other_items(error, path, spec, dataset, block=256):
+    """A cache at `path` (an explicit --cache) built for other inputs: when only the data set's content
+    differs and that cache records its items (store.items), the error names the first item that differs."""
+    import numpy as np
+    from kdcache.pipeline.digests import item_records
+    from kdcache.store import CacheReader, StoreError
+    from kdcache.store.items import known
+    try:
+        with CacheReader(path, timeout=0) as other:
+            theirs = dict(other.spec.inputs)
+            if {k: v for k, v in theirs.items() if k != "dataset"} != \
+                    {k: v for k, v in spec.inputs.items() if k != "dataset"}:
+                return error  # another teacher, codec or option: the fingerprints say so
+            if other.spec.num_samples != spec.num_samples:
+                return error
+            for a in range(0, spec.num_samples, block):
+                idx = np.arange(a, min(spec.num_samples, a + block))
+                rec = other.items(idx)
+                if not known(rec).any():
+                    continue
+                mine = item_records(*dataset.get_batch(idx))
+                differ = known(rec) & ((mine["digest"] != rec["digest"]).any(axis=1) | (mine["label"] != rec["label"]))
+                if differ.any():
+                    j = int(np.flatnonzero(differ)[0])
+                    what = [w for w, same in (("image", (mine["digest"][j] == rec["digest"][j]).all()),
+                                              (f"label ({int(mine['label'][j])} here, {int(rec['label'][j])} in the "
+                                               f"cache)", mine["label"][j] == rec["label"][j])) if not same]
+                    return StoreError(f"{path} was built from another data set of the same length: item {a + j} "
+                                      f"(the first that differs) has another {' and '.join(what)}: pass the data set "
+                                      f"it was built from, or another cache path (--cache, build_cache's cache=), "
+                                      f"or none: the cache directory names each data set's cache by its content")
+    except StoreError:
+        pass
+    return error
 
 
 def run_ring(args, log, topt, dataset, augment, spec, result, timeline):

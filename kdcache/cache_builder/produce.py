@@ -111,7 +111,7 @@ def produce_offline(teacher, dataset, writer, *, seed, augment, batch_size, prog
             if wanted is not None and wanted.poll():
                 keys = wanted.take(writer.is_done, batch_size)
             if keys.size:  # readers wait for these: made now (the blocks asked for ahead wait)
-                images, finite = decoder.take(decoder.submit(keys // spec.views, keys % spec.views))
+                images, finite, items = decoder.take(decoder.submit(keys // spec.views, keys % spec.views), items=True)
             else:
                 while len(ahead) <= PREFETCH and a < owned.size:  # the next blocks in key order
                     block = owned[a:a + batch_size]
@@ -122,10 +122,10 @@ def produce_offline(teacher, dataset, writer, *, seed, augment, batch_size, prog
                 if not ahead:
                     continue
                 keys, ticket = ahead.popleft()
-                images, finite = decoder.take(ticket)
+                images, finite, items = decoder.take(ticket, items=True)
                 fresh = ~writer.is_done(keys)  # readers' demand may have had some written since
                 if not fresh.all():  # (a copy of the batch: only then)
-                    keys, images, finite = keys[fresh], images[fresh], finite[fresh]
+                    keys, images, finite, items = keys[fresh], images[fresh], finite[fresh], items[fresh]
                 if keys.size == 0:
                     continue
             idx, views = keys // spec.views, keys % spec.views
@@ -134,7 +134,7 @@ def produce_offline(teacher, dataset, writer, *, seed, augment, batch_size, prog
                                   finite=finite)
             stats.teacher_seconds += time.perf_counter() - t1
             stats.teacher_forwards += keys.size
-            stats.rows_written += writer.write(idx, logits, views=views)
+            stats.rows_written += writer.write(idx, logits, views=views, items=items)
             bar.update(keys.size)
     finally:
         decoder.close()
@@ -157,8 +157,8 @@ class CacheSink:
     def need(self, indices, view, epoch):
         return ~self.writer.is_done(indices * self.spec.views + view)
 
-    def write(self, indices, logits, view, epoch):
-        return self.writer.write(indices, logits, views=view)
+    def write(self, indices, logits, view, epoch, items=None):
+        return self.writer.write(indices, logits, views=view, items=items)
 
     @property
     def finished(self):
@@ -174,7 +174,7 @@ class RingSink:
     def need(self, indices, view, epoch):
         return np.ones(len(indices), dtype=bool)
 
-    def write(self, indices, logits, view, epoch):
+    def write(self, indices, logits, view, epoch, items=None):
         self.ring.write(indices, np.full(len(indices), epoch, dtype=np.int64), logits)
         return len(indices)
 
@@ -222,11 +222,11 @@ def produce_online(teacher, dataset, sink, *, seed, augment, batch_size, epochs,
             if digests is not None:
                 digests.add(st)
             if need.any():
-                images, finite = decoder.take(ticket)
+                images, finite, items = decoder.take(ticket, items=True)
                 fresh = sink.need(st.indices[need], st.view, st.epoch)  # asked for ahead: written since?
                 need[need] = fresh
                 if not fresh.all():
-                    images, finite = images[fresh], finite[fresh]
+                    images, finite, items = images[fresh], finite[fresh], items[fresh]
             if need.any():
                 idx = st.indices[need]
                 t1 = time.perf_counter()
@@ -234,7 +234,7 @@ def produce_online(teacher, dataset, sink, *, seed, augment, batch_size, epochs,
                                       finite=finite)
                 stats.teacher_seconds += time.perf_counter() - t1
                 stats.teacher_forwards += idx.size
-                stats.rows_written += sink.write(idx, logits, st.view, st.epoch)
+                stats.rows_written += sink.write(idx, logits, st.view, st.epoch, items=items)
             if timeline is not None:
                 timeline.append((round(time.time(), 4), int(st.position), int(need.sum())))
             bar.update(1)

@@ -14,8 +14,8 @@ with no copy (a pipe cost the parent ~0.4 ms per 224 px image, a copy out of the
 few percent of a light teacher's forward). Those images are valid until the next submit(), which
 may ask a worker to write the slot again: the producer runs the teacher on them before it asks for
 more. A batch read before its turn (its slot about to be reused, or a later one taken first) is
-copied out. A worker runs the very function the in-process path runs (augment.make_views) on a
-slice of the batch: the views are keyed per sample, so the images are bit-identical either way.
+copied out. A worker runs the very function the in-process path runs (views_and_items: the images
+augment.make_views makes, and the records of their items) on a slice of the batch: the views are keyed per sample, so the images are bit-identical either way.
 
 Errors travel back as the exception the in-process path would raise (a DatasetError naming the
 file), at the batch they belong to: batches before it are written, as without workers. Workers
@@ -30,7 +30,9 @@ import signal
 
 import numpy as np
 
-from .augment import make_views
+from kdcache.store.items import unknown
+
+from .digests import item_records
 
 PREFETCH = 2  # batches asked for ahead of the one the teacher runs
 SLOTS = PREFETCH + 2  # results a worker may hold unread: the batches ahead, the one taken, one asked for now
@@ -49,6 +51,21 @@ def default_workers(dataset, teacher_threads, cores, producers=1):
     if not getattr(dataset, "decodes", False):
         return 0
     return max(0, cores - teacher_threads * producers)
+
+
+def views_and_items(dataset, indices, views, *, seed, augment):
+    """(images of keys (indices, views) as augment.make_views makes them, the records of the data set
+    items they were made from: pipeline.digests NOTE [item digests]). Only view 0's rows get theirs
+    (the others' are left unknown): one digest per sample, whatever the view count."""
+    x, y = dataset.get_batch(indices)
+    first = np.broadcast_to(np.asarray(views) == 0, (len(y),))
+    if first.all():  # before the augmentation: it may work in place
+        rec = item_records(x, y)
+    else:
+        rec = unknown(len(y))
+        for i in np.flatnonzero(first):
+            rec[i] = item_records(x[i:i + 1], np.asarray(y)[i:i + 1])[0]
+    return augment.apply(x, seed, indices, views), rec
 
 
 def finite_rows(x):
@@ -131,29 +148,31 @@ class Decoder:
         self.pending[ticket] = (indices, views, bounds)
         return ticket
 
-    def take(self, ticket):
+    def take(self, ticket, items=False):
         """(images float32 [B, C, H, W], finite bool [B]) of the batch `ticket` asked for: `finite`
         says which images hold no NaN or Inf, judged where they were made (a worker's spare core, not
         the teacher's). From workers the images may be the shared arena itself, read-only and valid
-        until the next submit(): copy them to keep them longer."""
+        until the next submit(): copy them to keep them longer. `items`: the records of the data set
+        items the images were made from come third (pipeline.digests NOTE [item digests])."""
         if not self.workers:
             indices, views, _ = self.pending.pop(ticket)
-            x = make_views(self.dataset, indices, views, seed=self.seed, augment=self.augment)[0]
-            return x, finite_rows(x)
-        while ticket not in self.ready:
-            t, (indices, views, bounds) = self.pending.popitem(last=False)
-            self.ready[t] = self._read_or_error(indices, bounds, t % SLOTS, keep=t != ticket)
-        got = self.ready.pop(ticket)
-        if isinstance(got, BaseException):
-            raise got
-        return got
+            x, rec = views_and_items(self.dataset, indices, views, seed=self.seed, augment=self.augment)
+            got = x, finite_rows(x), rec
+        else:
+            while ticket not in self.ready:
+                t, (indices, views, bounds) = self.pending.popitem(last=False)
+                self.ready[t] = self._read_or_error(indices, bounds, t % SLOTS, keep=t != ticket)
+            got = self.ready.pop(ticket)
+            if isinstance(got, BaseException):
+                raise got
+        return got if items else got[:2]
 
     def _read_or_error(self, indices, bounds, slot, keep):
         """The batch's images, or its own error (raised at its turn); a dead worker is raised now.
         `keep`: copied out of the arena (it is taken later, after more submits)."""
         try:
-            images, finite = self._read(indices, bounds, slot)
-            return (images.copy() if keep and images.base is not None else images), finite
+            images, finite, rec = self._read(indices, bounds, slot)
+            return (images.copy() if keep and images.base is not None else images), finite, rec
         except DecodeWorkerError:
             raise
         except Exception as e:
@@ -164,6 +183,7 @@ class Decoder:
         is there (the usual case), else an array of its own."""
         n, shm = len(indices), []
         row, out, finite, error = None, None, np.ones(len(indices), dtype=bool), None
+        rec = None
         for j, a, b in bounds:  # every chunk is read, even after an error: the pipes stay in step
             head = self._recv(j)
             if head[0] == "error":
@@ -182,6 +202,9 @@ class Decoder:
                         f"one batch: pass --image-size HxW to resize them")
                 continue
             finite[a:b] = head[3]
+            if rec is None:
+                rec = np.empty(n, dtype=head[4].dtype)
+            rec[a:b] = head[4]
             if head[0] == "shm":
                 shm.append((a, b))
                 continue
@@ -194,10 +217,10 @@ class Decoder:
                               offset=slot * SLOT_BYTES).reshape((n,) + row[0]) if shm else None
         if out is None:
             whole.flags.writeable = False
-            return whole, finite
+            return whole, finite, rec
         for a, b in shm:
             out[a:b] = whole[a:b]
-        return out, finite
+        return out, finite, rec
 
     def _send(self, j, task):
         try:
@@ -287,8 +310,8 @@ class Decoder:
             except (EOFError, OSError):
                 return  # the parent closed the pipe: done
             try:
-                x = np.ascontiguousarray(make_views(self.dataset, indices, views, seed=self.seed,
-                                                    augment=self.augment)[0])
+                x, rec = views_and_items(self.dataset, indices, views, seed=self.seed, augment=self.augment)
+                x = np.ascontiguousarray(x)
             except Exception as e:
                 try:  # the parent raises it as it is, when it can be rebuilt there
                     pickle.loads(pickle.dumps(e))
@@ -304,9 +327,9 @@ class Decoder:
                 if at + x.nbytes <= SLOT_BYTES:
                     np.frombuffer(arena, dtype=x.dtype, count=x.size, offset=slot * SLOT_BYTES + at)[...] = \
                         x.reshape(-1)
-                    results.send(("shm", x.shape, x.dtype.str, finite_rows(x)))
+                    results.send(("shm", x.shape, x.dtype.str, finite_rows(x), rec))
                 else:
-                    results.send(("ok", x.shape, x.dtype.str, finite_rows(x)))
+                    results.send(("ok", x.shape, x.dtype.str, finite_rows(x), rec))
                     results.send_bytes(memoryview(x).cast("B"))
             except OSError:
                 return  # the parent is gone or stopped reading

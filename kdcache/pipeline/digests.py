@@ -1,4 +1,4 @@
-"""Content digests (sha256) of the files a data set reads, remembered per user so a rerun reads nothing.
+"""Content digests (sha256) of the files a data set reads, remembered per user so a rerun reads nothing; and of its items.
 
 A data set's identity goes into cache fingerprints, so it covers every byte of every file it reads:
 a file changed in place must never keep its digest. Reading a large data set takes minutes, so each
@@ -9,6 +9,8 @@ memo keeps entries). The ctime is there because the mtime alone can be put back:
 keep its key; no user call sets the ctime, and every write or restored mtime moves it. The memo is
 $KDCACHE_DIGEST_MEMO, else $XDG_CACHE_HOME/kdcache/digests.json (default ~/.cache/kdcache/). It is
 only a shortcut: a memo that cannot be read or written is ignored.
+
+item_digest / item_records: one item's digest, what a cache records of each item (NOTE [item digests]).
 """
 import hashlib
 import json
@@ -16,6 +18,8 @@ import os
 import sys
 import tempfile
 import time
+
+import numpy as np
 
 from kdcache.store import file_digest
 
@@ -142,3 +146,34 @@ def files_digest(files, *, desc="digest", fix=READ_FIX):
     if new:
         _save_memo(memo_file, new)
     return digest
+
+
+# --- a data set's items, one by one -----------------------------------------------------------
+# NOTE [item digests]
+# What a cache records of each item of its data set (store.items) and what SoftTargetDataset and
+# SoftTargetIter compare a user's own data set with: the item's image as float32 values (the teacher's
+# input before any augmentation: kdcache's keyed views are made from (seed, index, view), so they are
+# no part of the item) with its shape, and its label. float32 values, not the bytes as stored: a uint8
+# image and the float32 image kdcache feeds the teacher are one item, and the producer sees only the
+# latter. 16 bytes of a SHA-256 per item: two different items share one with probability 2^-128.
+ITEM_DIGEST_BYTES = 16
+
+
+def item_digest(image):
+    """16 bytes: the SHA-256 of an image's shape and its values as float32 (little-endian, C order)."""
+    x = np.ascontiguousarray(image, dtype="<f4")
+    h = hashlib.sha256(("x".join(str(s) for s in x.shape) + ":").encode())
+    h.update(memoryview(x).cast("B"))
+    return h.digest()[:ITEM_DIGEST_BYTES]
+
+
+def item_records(images, labels):
+    """store.schema.ITEM_DTYPE [B]: each item's digest (item_digest) and label, of a batch of images
+    [B, ...] and labels [B]."""
+    from kdcache.store.schema import ITEM_DTYPE
+    labels = np.asarray(labels).reshape(-1)
+    out = np.empty(len(labels), dtype=ITEM_DTYPE)
+    for i in range(len(labels)):
+        out["digest"][i] = np.frombuffer(item_digest(images[i]), dtype=np.uint8)
+    out["label"] = labels.astype(np.int64)
+    return out

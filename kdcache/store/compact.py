@@ -20,12 +20,12 @@ import h5py
 import numpy as np
 from h5py import h5d, h5p
 
-from . import checksums, schema, seal
+from . import checksums, items as item_records, schema, seal
 from .errors import NoSpaceError, StoreError
 from .osutil import NotOurs, available_memory, fs_error, fsync_dir, is_ours, open_regular
 from .paths import COMPACT_TMP, base_path, compact_tmp, discard, final_path, parts_path
 from .segment import (committed_rows, count_done, list_segments, open_swmr, quiet_h5py_dealloc_errors,
-                      read_segment_rows)
+                      read_segment_items, read_segment_rows)
 
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 _CREATE = os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -100,7 +100,7 @@ def _reserve(path, size):
         os.close(fd)
 
 
-def _write_final(tmp, spec, codec, tables, block):
+def _write_final(tmp, spec, codec, tables, block, items=None):
     """The key-ordered cache file at `tmp`: h5py writes its metadata, then its space is allocated and
     the rows are written at the datasets' offsets (NOTE [a full disk]). Contiguous, unfiltered datasets,
     each of 64 KiB or more starting on a page boundary: readers map them straight from the file
@@ -124,8 +124,12 @@ def _write_final(tmp, spec, codec, tables, block):
                                        fill_time="never")
                 places.append((name, d.id.get_offset()))
             done = out.create_dataset(schema.DONE, data=np.ones((n, v), dtype=np.uint8))
-            done_place = (done.id.get_offset(), n * v)
             checksums.write(out, sums, spec)
+            item_records.write_final(out, items)  # the data set's item records, when every one is known
+            # what the seal leaves out: data checked on their own -- the rows by the checksum table, the
+            # done flags by being all 1, the item records by their CRC-32; the seal covers the table
+            sealed_apart = [(d.id.get_offset(), d.id.get_storage_size())
+                            for d in (done, out.get(schema.ITEMS)) if d is not None]
     except (OSError, RuntimeError) as e:  # h5py's close after a failed write raises RuntimeError
         quiet_h5py_dealloc_errors()
         if _is_full(e):
@@ -145,7 +149,7 @@ def _write_final(tmp, spec, codec, tables, block):
                     k = os.pwrite(fd, buf, at)
                     buf, at = buf[k:], at + k
                 step("writing")
-        seal.write(fd, [(off, tables[name].nbytes) for name, off in places] + [done_place])
+        seal.write(fd, [(off, tables[name].nbytes) for name, off in places] + sealed_apart)
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -200,7 +204,8 @@ def finalize(path, spec, *, memory_budget=None):
         step("locked")
         nk = spec.num_keys
         need = nk * codec.bytes_per_row
-        final_bytes = need + nk + (256 << 10)  # the rows, the done flags, metadata and alignment (at most)
+        # the rows, the done flags, the item records, metadata and alignment (at most)
+        final_bytes = need + nk + spec.num_samples * schema.ITEM_DTYPE.itemsize + (256 << 10)
         budget = memory_budget if memory_budget is not None else available_memory() // 2
         tables, spill, reading = {}, [], False
         block = max(1, (64 << 20) // max(1, codec.bytes_per_row))
@@ -219,6 +224,7 @@ def finalize(path, spec, *, memory_budget=None):
                     raise _Full(e) from None
                 raise
             filled = np.zeros(nk, dtype=bool)
+            items = item_records.unknown(spec.num_samples)  # by sample, from whichever row records it
             reading = True
             for seg in list_segments(parts):
                 with open_swmr(seg) as f:
@@ -230,8 +236,13 @@ def finalize(path, spec, *, memory_budget=None):
                         for name in tables:
                             tables[name][keys] = fields[name][new]
                         filled[keys] = True
+                        rec = read_segment_items(f, a, min(rows, a + block))
+                        if rec is not None:
+                            rec = rec[new]
+                            ok = item_records.known(rec)
+                            items[keys[ok] // spec.views] = rec[ok]
             reading = False
-            _write_final(tmp, spec, codec, tables, block)
+            _write_final(tmp, spec, codec, tables, block, items)
             step("written")
             os.replace(tmp, final)
             fsync_dir(os.path.dirname(final) or ".")

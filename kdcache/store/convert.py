@@ -83,6 +83,7 @@ def convert(path, codec, dtype="float16", *, cache_dir=None, memory_budget=None)
     """Write the cache `codec`/`dtype` derived from the finished cache at `path` into `cache_dir` (default: the
     source's folder). Returns a dict: cache_path (the finished .h5), fingerprint, source, source_fingerprint,
     codec, dtype, rows_written, reused."""
+    from .items import known
     from .reader import CacheReader
     from .writer import CacheWriter
     base = source_path(path, cache_dir)
@@ -105,7 +106,9 @@ def convert(path, codec, dtype="float16", *, cache_dir=None, memory_budget=None)
         result["reused"] = bool(w.complete)
         for a in range(0, todo.size, block):
             keys = todo[a:a + block]
-            w.write(keys // v, reader.get(keys // v, keys % v), views=keys % v)
+            rec = reader.items(keys // v)  # the data set's item records travel with the rows (store.items)
+            w.write(keys // v, reader.get(keys // v, keys % v), views=keys % v,
+                    items=rec if known(rec).all() else None)
         result["rows_written"] = w.rows_written
     return result
 

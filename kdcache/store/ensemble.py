@@ -217,6 +217,19 @@ class EnsembleReader:
     def flat_keys(self, indices, views=0):
         return self.readers[0].flat_keys(indices, views)
 
+    def items(self, indices):
+        """The data set's item records (CacheReader.items): every member was built from the same data; a
+        record one member lacks (built before records existed) is taken from another."""
+        from .items import known
+        out = self.readers[0].items(indices)
+        for r in self.readers[1:]:
+            lack = ~known(out)
+            if not lack.any():
+                break
+            got = r.items(indices)
+            out[lack] = got[lack]
+        return out
+
     def missing(self, indices, views=0):
         """Flat keys among these that some member does not hold yet."""
         out = [r.missing(indices, views) for r in self.readers]

@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-from . import checksums, schema
+from . import checksums, items as item_records, schema
 from .errors import (CacheNotFoundError, DamagedRowsError, FingerprintMismatchError, NoSpaceError,
                      MissingTargetsError, ProducerGoneError)
 from .demand import publish, withdraw
@@ -34,7 +34,8 @@ from .housekeeping import final_spec, parts_spec, settle
 from .mapped import MapUnavailable, map_fields
 from .osutil import available_memory, warn_if_network
 from .registry import base_path, final_path, parts_path, touch_used
-from .segment import committed_rows, list_segments, lock_holders, open_final, open_swmr, read_segment_rows
+from .segment import (committed_rows, list_segments, lock_holders, open_final, open_swmr, read_segment_items,
+                      read_segment_rows)
 from .validate import check_committed, check_keys, check_scale, check_segment
 
 log = logging.getLogger("kdcache.store")
@@ -130,6 +131,9 @@ class CacheReader:
         if self.in_ram and self.codec.name == "full" and nk * self.spec.num_classes * 4 <= budget:
             self._ram_dtype[schema.LOGITS] = np.dtype(np.float32)
         self._done = np.zeros(nk, dtype=bool)
+        # The data set's item records by sample (store.items): taken in with the rows while following the
+        # segments; a finished file's are read the first time items() is asked (None: not yet).
+        self._items = None
         self.complete = False
         self._hot = None
         if os.path.exists(self.final):
@@ -139,6 +143,7 @@ class CacheReader:
             log.info("%s is still being written: following its segments %s (mapped once finished)", self.base,
                      "in RAM" if self.in_ram else "from disk per batch (larger than the memory budget)")
             warn_if_network(os.path.dirname(self.base) or ".")  # following a live writer: not over NFS
+            self._items = item_records.unknown(self.spec.num_samples)
             if self.in_ram:
                 self._tables = {n: np.zeros((nk,) + tuple(s), dtype=self._ram_dtype.get(n, d))
                                 for n, s, d in self.codec.fields}
@@ -154,6 +159,8 @@ class CacheReader:
         for s in self._segs.values():
             s.file.close()
         self._segs = {}
+        if self._items is not None and not item_records.known(self._items).all():
+            self._items = None  # the finished file's own records are read when asked for
         own, _ = final_spec(self.final, os.path.basename(self.base))
         if own.fingerprint != self.fingerprint:
             raise FingerprintMismatchError(f"{self.final} (compacted while this reader was open) holds the cache "
@@ -233,6 +240,10 @@ class CacheReader:
                     self._loc_seg[keys[fresh]] = self._seg_list.index(s)
                     self._loc_row[keys[fresh]] = np.arange(s.seen, rows)[fresh]
                 self._done[keys] = True
+                rec = read_segment_items(s.file, s.seen, rows)
+                if rec is not None:
+                    ok = item_records.known(rec)
+                    self._items[keys[ok] // self.spec.views] = rec[ok]
                 s.seen = rows
             if closed and s.seen == rows and self.in_ram:
                 s.closed = True
@@ -293,6 +304,20 @@ class CacheReader:
         return time.monotonic() < self.grace_until
 
     # -- reading ------------------------------------------------------------------------------
+    def items(self, indices):
+        """The records (schema.ITEM_DTYPE) of the data set items of samples `indices` that the cache's
+        rows were made from (store.items); a record whose label is schema.ITEM_UNKNOWN is not known: the
+        cache was written before records existed, or no row of that sample was taken in yet (get() it first)."""
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        if idx.size and (idx.min() < 0 or idx.max() >= self.spec.num_samples):
+            raise self._index_error(idx)
+        with self._lock:  # NOTE [threads]: the table is taken in, or read from the file, here
+            if self._items is None and self.complete:
+                with open_final(self.final) as f:
+                    found = item_records.load_final(f, self.final, self.spec.num_samples)
+                self._items = found if found is not None else item_records.unknown(self.spec.num_samples)
+            return self._items[idx] if self._items is not None else item_records.unknown(idx.size)
+
     def get(self, indices, views=0, *, wait=True, timeout=None):
         """float32 logits [B, C] for samples `indices` in view(s) `views`.
 

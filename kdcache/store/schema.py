@@ -57,6 +57,13 @@ CHECKSUMS = "checksums"         # final file: uint32 [chunks, fields], a CRC-32 
 CK_ALGORITHM = "algorithm"      # checksums attribute: "crc32" (zlib.crc32 of the row bytes, as stored)
 CK_SAMPLES = "samples_per_chunk"  # checksums attribute: samples (all their views) per chunk; the last may be short
 CK_FIELDS = "fields"            # checksums attribute: JSON list of the codec fields, in the table's column order
+ITEMS = "items"                 # ITEM_DTYPE records of the data set's items (what the teacher's input was made
+                                # from): in the final file [N], one per sample, only when every sample's is known;
+                                # in a segment [rows], one per appended row (label ITEM_UNKNOWN: not recorded).
+                                # Absent in files written before it existed (store.items)
+ITEMS_CRC = "crc32"             # items attribute in the final file: zlib.crc32 of the records' bytes
+ITEM_DTYPE = np.dtype([("digest", "u1", (16,)), ("label", "<i8")])  # digest: pipeline.digests.item_digest
+ITEM_UNKNOWN = -1               # the label of a record not written (a row appended without its item's record)
 SEG_KEYS = "keys"               # segment: int64 [rows], flat key of each appended row
 SEG_STATE = "state"             # segment: int64 [STATE_LEN], see STATE_* below
 STATE_ROWS = 0                  # rows committed (durable; readers trust rows [0, rows))

@@ -43,9 +43,10 @@ def chunk_rows(bytes_per_row, target=64 * 1024):
     return max(1, target // max(1, int(bytes_per_row)))
 
 
-def create_segment(directory, spec, codec, rows, shard, nshards):
+def create_segment(directory, spec, codec, rows, shard, nshards, items=False):
     """Create a segment for up to `rows` appended rows, switch it to SWMR and only then give it
-    its visible name, so a reader never opens a segment that is not yet readable."""
+    its visible name, so a reader never opens a segment that is not yet readable. `items`: with
+    the `items` dataset, a record of each row's data set item (store.items)."""
     stamp = time.time_ns()
     name = schema.segment_name(shard, nshards, stamp, os.getpid())
     tmp = os.path.join(directory, "." + name + ".tmp")
@@ -62,6 +63,9 @@ def create_segment(directory, spec, codec, rows, shard, nshards):
                              chunks=(min(rows, chunk_rows(codec.bytes_per_row)),) + tuple(shape))
         f.create_dataset(schema.SEG_KEYS, shape=(rows,), dtype=np.int64,
                          chunks=(min(rows, chunk_rows(8 * 64)),), fillvalue=-1)
+        if items:
+            f.create_dataset(schema.ITEMS, shape=(rows,), dtype=schema.ITEM_DTYPE,
+                             chunks=(min(rows, chunk_rows(schema.ITEM_DTYPE.itemsize * 64)),))
         # Chunked, not contiguous: HDF5 >= 1.14.4 readers reject contiguous datasets of a file
         # in SWMR write ("invalid dataset size") -- HDFGroup/hdf5 issue 5251.
         f.create_dataset(schema.SEG_STATE, shape=(schema.STATE_LEN,), dtype=np.int64,
@@ -206,6 +210,15 @@ def read_segment_rows(f, codec, start, stop, num_keys=None):
         d.refresh()
         fields[name] = d[start:stop]
     return keys, fields
+
+
+def read_segment_items(f, start, stop):
+    """The item records of rows [start, stop) of a segment (store.items), or None when it has none."""
+    if schema.ITEMS not in f:
+        return None
+    d = f[schema.ITEMS]
+    d.refresh()
+    return d[start:stop]
 
 
 def committed_keys(parts_dir, spec):

@@ -122,6 +122,10 @@ def check_final(f, path, spec):
             raise bad(path, f"dataset {name} is compressed or filtered; kdcache writes plain datasets")
         if d.id.get_storage_size() < d.size * d.dtype.itemsize:
             raise bad(path, f"dataset {name} was never (fully) written")
+    if schema.ITEMS in f:  # the data set's item records (store.items), in files written since they exist
+        d = _dataset(f, schema.ITEMS, path, (n,), schema.ITEM_DTYPE)
+        if d.id.get_storage_size() < d.size * d.dtype.itemsize:
+            raise bad(path, f"dataset {schema.ITEMS} was never (fully) written")
     check_tail(f, path, spec)
 
 
@@ -159,6 +163,8 @@ def check_segment(f, path, spec):
     _dataset(f, schema.SEG_STATE, path, (schema.STATE_LEN,), np.int64)
     for name, shape, dtype in spec.make_codec().fields:
         _dataset(f, name, path, (rows,) + tuple(shape), dtype)
+    if schema.ITEMS in f:
+        _dataset(f, schema.ITEMS, path, (rows,), schema.ITEM_DTYPE)
     return rows
 
 

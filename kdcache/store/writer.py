@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from . import schema
+from . import items as item_records, schema
 from .compact import finalize
 from .errors import (BadInputError, FingerprintMismatchError, StoreError, UnsupportedFormatError,
                      WriterBusyError)
@@ -224,8 +224,10 @@ class CacheWriter:
         return schema.flat_keys(indices, views, self.spec.num_samples, self.spec.views)
 
     # -- writing ------------------------------------------------------------------------------
-    def write(self, indices, logits, views=0):
-        """Append the teacher's raw logits [B, C] for samples `indices` (view `views`).
+    def write(self, indices, logits, views=0, items=None):
+        """Append the teacher's raw logits [B, C] for samples `indices` (view `views`); `items`, the
+        records (schema.ITEM_DTYPE [B]) of the data set items the rows' inputs were made from
+        (store.items), is kept beside them.
 
         Rows are durable before they are marked done: data and keys are flushed, then the
         committed-row count is written and flushed. Keys already done are skipped.
@@ -233,6 +235,10 @@ class CacheWriter:
         """
         keys = self.flat_keys(indices, views)
         logits = np.asarray(logits)
+        try:
+            items = item_records.as_records(items, keys.size)
+        except ValueError as e:
+            raise BadInputError(f"{e}: pass one record per row") from None
         c = self.spec.num_classes
         if logits.ndim != 2 or logits.shape[0] != keys.size or logits.shape[1] != c:
             raise BadInputError(f"logits of shape {tuple(logits.shape)} do not fit {keys.size} keys x {c} "
@@ -268,12 +274,14 @@ class CacheWriter:
             raise StoreError(f"{self.segment_path}: an earlier write failed ({self._broken}); open a new "
                              f"writer (run the producer again) to go on: it resumes")
         if self._file is None:
-            self._open_segment()
+            self._open_segment(items is not None)
         f, ds = self._file, self._dsets
         a, b = self._rows, self._rows + keys.size
         try:
             for name, arr in enc.items():
                 ds[name][a:b] = arr
+            if schema.ITEMS in ds:
+                ds[schema.ITEMS][a:b] = items[rows_idx] if items is not None else item_records.unknown(keys.size)
             ds[schema.SEG_KEYS][a:b] = keys
             f.flush()
             ds[schema.SEG_STATE][schema.STATE_ROWS] = b
@@ -289,10 +297,11 @@ class CacheWriter:
         self.rows_written += keys.size
         return int(keys.size)
 
-    def _open_segment(self):
+    def _open_segment(self, items):
         try:
             self._file, self.segment_path = create_segment(self.parts, self.spec, self.codec,
-                                                           int(self._todo.sum()), self.shard, self.nshards)
+                                                           int(self._todo.sum()), self.shard, self.nshards,
+                                                           items=items)
         except OSError as e:
             quiet_h5py_dealloc_errors()
             raise fs_error(e, self.parts, "free disk space or make the cache directory writable, "

@@ -19,6 +19,7 @@ import numpy as np
 from kdcache.pipeline.augment import Augment, as_augment, make_views
 from kdcache.pipeline.schedule import epoch_batches, view_of_epoch
 from kdcache.store.schema import index_error
+from kdcache.trainer.itemcheck import EAGER, ItemCheck
 from kdcache.trainer.loss import check_targets, kd_formula
 
 log = logging.getLogger("kdcache.trainer")
@@ -107,8 +108,8 @@ class SoftTargetIter(mx.io.DataIter):
         if pad:
             idx = np.concatenate([idx, self._batches[0][:pad]])
         view = view_of_epoch(self.epoch, self.views)
+        t = self.targets.get(idx, view)  # first: a plain data set's items are then compared with their records
         x, y = make_views(self.dataset, idx, view, seed=self.seed, augment=self.augment)
-        t = self.targets.get(idx, view)
         check_targets(t, idx, view, cache=getattr(self.targets, "base", None))
         return mx.io.DataBatch(data=[mx.nd.array(x)], label=[mx.nd.array(y.astype(np.float32)), mx.nd.array(t)],
                                pad=pad, index=idx, provide_data=self.provide_data,
@@ -193,7 +194,8 @@ class SoftTargetIter(mx.io.DataIter):
 class _ItemSource:
     """A gluon Dataset of (image [C, H, W], label) items seen as a kdcache data set: batches stacked
     from its items, the class count the cache's. The cache must have been built from the same items
-    (the same length is checked; `kdcache cache --dataset MODULE:FUNCTION` builds one from them)."""
+    (`kdcache cache --dataset MODULE:FUNCTION` builds one from them): the length is checked, and each
+    item against the cache's record of it the first time it is read (trainer.itemcheck NOTE [item check])."""
 
     def __init__(self, items, targets):
         if not (hasattr(items, "__getitem__") and hasattr(items, "__len__")):
@@ -209,6 +211,15 @@ class _ItemSource:
                              f"samples: pass the data set the cache was built from")
         self.items, self.num_classes, self.name = items, int(spec.num_classes), type(items).__name__
         self.shape = tuple(self._item(0)[0].shape)
+        self.targets = targets
+        self.check = None
+        if callable(getattr(targets, "items", None)):
+            base = getattr(targets, "base", None)
+            self.check = ItemCheck(len(items), f"cache {base}" if base else "the ensemble's caches",
+                                   "pass the data set the cache was built from (the same items in the same order), "
+                                   "or build a cache for this one (kdcache.build_cache)")
+            self.check.warn_unrecorded(targets)
+            self.get_batch(np.arange(min(len(items), EAGER)))
 
     def _item(self, i):
         item = self.items[int(i)]
@@ -225,7 +236,13 @@ class _ItemSource:
         return len(self.items)
 
     def get_batch(self, indices):
-        xs, ys = zip(*(self._item(i) for i in np.asarray(indices).reshape(-1)))
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        xs, ys = zip(*(self._item(i) for i in idx))
+        if self.check is not None:
+            todo = self.check.unchecked(idx)
+            if todo.size:
+                self.check.check(self.targets, idx[todo], [xs[j] for j in todo], [ys[j] for j in todo],
+                                 reread=lambda i: self._item(i)[0])
         return np.stack(xs), np.asarray(ys, dtype=np.int64)
 
 

@@ -11,6 +11,9 @@ itself on first use, after the fork: a finished cache is then mapped once for al
 pages shared), and a cache still being written is followed as the producer commits rows.
 Threads (a DataLoader with thread_pool=True) share their process's reader, which is safe for them
 (store.reader's NOTE [threads]).
+
+A plain data set (no identity(), a user's own) is compared with the cache item by item, each item the
+first time any process reads it (trainer.itemcheck NOTE [item check]).
 """
 import ctypes
 import json
@@ -25,6 +28,7 @@ from mxnet import gluon
 from kdcache.pipeline.augment import apply_one, as_augment
 from kdcache.store import CacheReader, StoreError
 from kdcache.store.ensemble import EnsembleReader
+from kdcache.trainer.itemcheck import EAGER, ItemCheck
 from kdcache.trainer.loss import check_targets
 
 # Values in shared memory, so that worker processes forked before a change see it: the epoch, and whether an
@@ -68,6 +72,7 @@ class SoftTargetDataset(gluon.data.Dataset):
             self._path, self._fp = os.fspath(targets), None
             reader = CacheReader(self._path, **reader_options)
             self._fp = reader.fingerprint
+        self._items = None  # a plain data set's items, each compared with the cache's record once (NOTE [item check])
         self._check(reader)
         self.num_classes = reader.spec.num_classes
         self._reader, self._pid = reader, os.getpid()
@@ -85,7 +90,15 @@ class SoftTargetDataset(gluon.data.Dataset):
             raise StoreError(f"{where} holds {spec.views} view(s) per sample, views={self.views} was passed: "
                              f"pass views={spec.views}")
         inputs = getattr(spec, "inputs", None) or {}
-        self._check_content(where, inputs.get("dataset"))
+        if callable(getattr(self.dataset, "identity", None)):
+            self._check_content(where, inputs.get("dataset"))
+        else:  # a plain data set: item by item, each the first time it is read
+            self._items = ItemCheck(len(self.dataset), where, "pass the data set the cache was built from (the same "
+                                    "items in the same order), or build a cache for this one (kdcache.build_cache)")
+            self._items.warn_unrecorded(reader)
+            first = np.arange(min(len(self.dataset), EAGER))
+            images, labels = zip(*(self._item(int(i)) for i in first))
+            self._items.check(reader, first, images, labels, reread=self._reread)
         if "augment" in inputs:
             mine = self.augment.spec if self.augment.active else None
             if inputs.get("augment") != mine:
@@ -100,9 +113,9 @@ class SoftTargetDataset(gluon.data.Dataset):
         """The data set's identity (name, split, length, content digest: what the command line's
         fingerprint records) must be the cache's. Computed once, here: the digest is remembered by
         the data set (and by the digest memo for files), so later epochs and workers pay nothing.
-        The cache records one digest of the whole data set, not one per item, so a content mismatch
-        names the digests, not an item. A data set without identity() (a plain gluon Dataset) is
-        checked by its length only."""
+        The fingerprint records one digest of the whole data set, so a content mismatch names the
+        digests, not an item. A data set without identity() (a plain gluon Dataset) is checked item by
+        item instead (NOTE [item check])."""
         identity = getattr(self.dataset, "identity", None)
         if not isinstance(recorded, dict) or not callable(identity):
             return
@@ -159,20 +172,30 @@ class SoftTargetDataset(gluon.data.Dataset):
         self._announced.value = True  # before the DataLoader forks its workers: they see it
         return _Announcing(self, shuffle)
 
+    def _item(self, i):
+        """Item i of the data set: (image float32, label), before augmentation."""
+        item = self.dataset[i]
+        if not isinstance(item, (tuple, list)) or len(item) < 2:
+            raise TypeError(f"item {i} of {type(self.dataset).__name__} is {type(item).__name__}, not (image, label)")
+        image, label = item[0], item[1]
+        return np.asarray(image.asnumpy() if hasattr(image, "asnumpy") else image, dtype=np.float32), label
+
+    def _reread(self, i):
+        return self._item(i)[0]
+
     def __getitem__(self, idx):
         i = int(idx)
         if not 0 <= i < len(self.dataset):
             raise IndexError(f"index {idx} out of range [0, {len(self.dataset)})")
         v = self.view
-        item = self.dataset[i]
-        if not isinstance(item, (tuple, list)) or len(item) < 2:
-            raise TypeError(f"item {i} of {type(self.dataset).__name__} is {type(item).__name__}, not (image, label)")
-        image, label = item[0], item[1]
-        image = np.asarray(image.asnumpy() if hasattr(image, "asnumpy") else image, dtype=np.float32)
-        image = apply_one(self.augment, image, self.seed, i, v)
+        image, label = self._item(i)
         reader = self.reader()
         waits = reader.waits
         soft = reader.get(np.array([i]), v)[0]
+        items = self._items
+        if items is not None and not items.bits()[i]:  # a plain data set: its item's first read (NOTE [item check])
+            items.check(reader, [i], [image], [label], reread=self._reread)
+        image = apply_one(self.augment, image, self.seed, i, v)
         # A reader serves what the file holds: a damaged value would put NaN into every weight at the
         # first step of the user's own loop (kdcache.trainer.loss NOTE), so it is refused here, by key.
         check_targets(soft[None], [i], v, cache=self._path)

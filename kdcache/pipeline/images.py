@@ -8,6 +8,7 @@ each record's length against the .rec's size before MXNet reads a record, an ima
 the .idx and every image (pipeline/digests.py remembers the digests).
 """
 import io
+import logging
 import math
 import os
 import re
@@ -17,7 +18,7 @@ import warnings
 import numpy as np
 
 from .dataset_base import Dataset, DatasetError
-from .digests import files_digest, unreadable
+from .digests import files_digest, open_data, unreadable
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 PNG_IEND = b"\x00\x00\x00\x00IEND\xaeB`\x82"  # the last chunk of every PNG, always these 12 bytes
@@ -134,12 +135,20 @@ def _mxnet_reason(e):
 
 
 def read_file(path, fix):
-    """The bytes of one image file; DatasetError naming it when it cannot be read."""
-    try:
-        with open(path, "rb") as fh:
+    """The bytes of one image file; DatasetError naming it when it cannot be read or is not a
+    regular file (a FIFO, a link to a device: never opened in a way that can block)."""
+    with open_data(path, fix) as fh:
+        try:
             return fh.read()
-    except OSError as e:
-        raise unreadable(path, e, fix) from None
+        except OSError as e:
+            raise unreadable(path, e, fix) from None
+
+
+def _opened_path(fh):
+    """A name by which MXNet opens the very file `fh` holds (checked regular), not whatever the
+    path names by then: /proc/self/fd/N; None where /proc is not mounted."""
+    p = f"/proc/self/fd/{fh.fileno()}"
+    return p if os.path.exists(p) else None
 
 
 class DecodedDataset(Dataset):
@@ -311,11 +320,90 @@ class RecordIODataset(DecodedDataset):
         return self._image(img, f"{self.rec_path}: record {k}", self._fix(k), out=out)
 
 
+IMAGE_EXTS = (".jpg", ".jpeg", ".png")  # the names gluon's ImageFolderDataset takes for images
+SPLITS = ("train", "test")
+log = logging.getLogger("kdcache.pipeline")
+
+
+def list_class_folders(root):
+    """(classes, items) of root/<class>/<image>, as gluon's ImageFolderDataset lists them: classes are
+    the sorted sub-folders (links to folders too), a class's label its place in that list, items
+    (path, label) its files named .jpg, .jpeg or .png in sorted order. Nothing is opened but folders;
+    other names are left out (said in one line)."""
+    classes, items, other = [], [], []
+    for name in sorted(_listdir(root)):
+        path = os.path.join(root, name)
+        if not os.path.isdir(path):
+            other.append(name)
+            continue
+        label = len(classes)
+        classes.append(name)
+        for fn in sorted(_listdir(path)):
+            if os.path.splitext(fn)[1].lower() in IMAGE_EXTS:
+                items.append((os.path.join(path, fn), label))
+            else:
+                other.append(os.path.join(name, fn))
+    if other:
+        log.info("%s: %d entr%s not read as images (only class folders of %s files are): %s", root, len(other),
+                 "y" if len(other) == 1 else "ies", "/".join(IMAGE_EXTS), ", ".join(other[:5])
+                 + (" ..." if len(other) > 5 else ""))
+    return classes, items
+
+
+def _listdir(path):
+    try:
+        return os.listdir(path)
+    except OSError as e:
+        raise unreadable(path, e, FOLDER_READ_FIX) from None
+
+
+def _check_classes(here, split, classes, items):
+    """Refuse a training class folder without images (the student would be given a class it is never
+    shown); a test class folder without images is said in one line (that class is not evaluated)."""
+    empty = sorted(set(classes) - {classes[lab] for _, lab in items})
+    if empty and split == "train":
+        more = f" (and {len(empty) - 1} more: {', '.join(empty[1:4])}{' ...' if len(empty) > 4 else ''})" \
+            if len(empty) > 1 else ""
+        raise DatasetError(f"{os.path.join(here, empty[0])}: a class folder with no images "
+                           f"({', '.join(IMAGE_EXTS)}){more}: the student would be given a class it is never "
+                           f"shown; put its images in it, or remove that class from train/ and test/")
+    if empty:
+        log.warning("%s: class folder%s %s hold%s no images: %s not evaluated", here, "s" if len(empty) > 1 else "",
+                    ", ".join(empty), "" if len(empty) > 1 else "s", "those classes are" if len(empty) > 1
+                    else "that class is")
+
+
+def _compare_splits(base, split, classes):
+    """Refuse a split whose class folders are not the other split's: a label is the class folder's
+    place in the sorted list, so one extra folder shifts every label after it. `base` holds train/
+    and test/."""
+    other = SPLITS[1 - SPLITS.index(split)]
+    there = os.path.join(base, other)
+    if not os.path.isdir(there):
+        return
+    theirs = [n for n in sorted(_listdir(there)) if os.path.isdir(os.path.join(there, n))]
+    if theirs == classes:
+        return
+    mine = {"train": classes, "test": theirs} if split == "train" else {"train": theirs, "test": classes}
+    extra = [f"{s}/ has {_names(sorted(set(mine[s]) - set(mine[t])))} (not in {t}/)"
+             for s, t in (("train", "test"), ("test", "train")) if set(mine[s]) - set(mine[t])]
+    raise DatasetError(f"{base}: train/ and test/ hold different class folders: {'; '.join(extra)}; a label is "
+                       f"the class folder's place in the sorted list, so the splits' labels would not agree: "
+                       f"give train/ and test/ the same class folders (an empty one is allowed in test/)")
+
+
+def _names(names, shown=5):
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
+
+
 class ImageFolderDataset(DecodedDataset):
-    """root/<class name>/<image>, classes in sorted order (gluon's ImageFolderDataset)."""
+    """root/<class name>/<image>, classes in sorted order (gluon's ImageFolderDataset). With train/ and
+    test/ under root, both splits must hold the same class folders (checked whichever is loaded): the
+    class list, recorded in the identity, is then the same for both. Every image must be a regular
+    file or a link to one (NOTE [a user's data files are regular files])."""
 
     def __init__(self, root, split="train", size=None):
-        from mxnet.gluon.data.vision import ImageFolderDataset as _IFD
+        base = root
         if os.path.isdir(os.path.join(root, split)):
             root = os.path.join(root, split)
         elif split == "test" or os.path.isdir(os.path.join(root, "test")):
@@ -324,16 +412,26 @@ class ImageFolderDataset(DecodedDataset):
                                f"root/train/<class>/... and root/test/<class>/...")
         if not os.path.isdir(root):
             raise DatasetError(f"--data-root {root!r} is not a directory of class folders")
-        self._folder = _IFD(root)
-        if len(self._folder) == 0:
+        classes, items = list_class_folders(root)
+        if not items:
             raise DatasetError(f"{root}: no images found in class sub-folders (root/<class>/<image>.jpg)")
-        items = self._folder.items
+        _check_classes(root, split, classes, items)
+        if root != base:
+            _compare_splits(base, split, classes)
+        self.items, self.classes = items, classes
         # Every byte of every image: a size limit here once let an image changed in place keep its digest.
+        # Each is stat()ed first: a FIFO, a device, a dangling link is refused before anything is read.
         digest = files_digest([(p, f"{os.path.relpath(p, root)}\0{lab}") for p, lab in items],
                               desc=f"digest of {root}", fix=FOLDER_READ_FIX)
-        super().__init__("imagefolder", split, len(items), [lab for _, lab in items], len(self._folder.synsets),
-                         size, {"digest": digest, "classes": list(self._folder.synsets)})
+        super().__init__("imagefolder", split, len(items), [lab for _, lab in items], len(classes),
+                         size, {"digest": digest, "classes": list(classes)})
 
     def _decode(self, i, out=None):
-        path = self._folder.items[i][0]
-        return self._image(read_file(path, FOLDER_READ_FIX), path, FOLDER_FIX, path=path, out=out)
+        path = self.items[i][0]
+        with open_data(path, FOLDER_READ_FIX) as fh:
+            try:
+                buf = fh.read()
+            except OSError as e:
+                raise unreadable(path, e, FOLDER_READ_FIX) from None
+            fh.seek(0)
+            return self._image(buf, path, FOLDER_FIX, path=_opened_path(fh), out=out)

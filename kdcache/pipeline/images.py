@@ -18,7 +18,7 @@ import warnings
 import numpy as np
 
 from .dataset_base import Dataset, DatasetError
-from .digests import files_digest, open_data, unreadable
+from .digests import READ_FIX, files_digest, open_data, unreadable
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 PNG_IEND = b"\x00\x00\x00\x00IEND\xaeB`\x82"  # the last chunk of every PNG, always these 12 bytes
@@ -222,102 +222,198 @@ class DecodedDataset(Dataset):
                 "shape": list(self.shape), **self.params}
 
 
+MAX_CLASSES = 1 << 24  # --num-classes' bound: a label past it is not a class index
+
+
+class _BadRecord(Exception):
+    """Why the record at an offset cannot be read (RecordIODataset names the file and the record)."""
+
+
+def _pad4(n):
+    return (n + 3) & ~3
+
+
+def read_record(fd, offset, size):
+    """(bytes of the record starting at `offset` of the .rec open as `fd`, the offset after it). A
+    record is written in parts where its data holds RecordIO's magic at a 4-byte boundary (flags 1,
+    2 ... 3): the parts are joined with the magic between them, as MXNet's reader joins them. Read
+    with pread: threads may share the descriptor."""
+    chunks, pos = [], offset
+    while True:
+        magic, length, part = _part_at(fd, pos, size)
+        if magic != RECORD_MAGIC:
+            raise _BadRecord("no RecordIO record starts there" if pos == offset else
+                             f"its part at offset {pos} is no RecordIO record")
+        if (part in (0, 1)) != (pos == offset):
+            raise _BadRecord("no RecordIO record starts there (the middle of a record written in parts)"
+                             if pos == offset else f"its part at offset {pos} starts another record")
+        chunks.append(os.pread(fd, length, pos + 8))
+        pos += 8 + _pad4(length)
+        if part in (0, 3):
+            return struct.pack("<I", RECORD_MAGIC).join(chunks), pos
+
+
+def _part_at(fd, pos, size):
+    """(magic, length, part flag) of the record part whose header is at `pos`, its length checked
+    against the file's size."""
+    head = os.pread(fd, 8, pos)
+    if len(head) < 8:
+        raise _BadRecord(f"the file ends inside the record header at offset {pos}")
+    magic, lrec = struct.unpack("<II", head)
+    length, part = lrec & ((1 << 29) - 1), lrec >> 29
+    if magic == RECORD_MAGIC and pos + 8 + length > size:
+        raise _BadRecord(f"it declares {length} bytes, past the end of the file ({size} bytes)")
+    return magic, length, part
+
+
 class RecordIODataset(DecodedDataset):
-    """MXNet RecordIO (`.rec` + `.idx`, as written by im2rec or MXIndexedRecordIO)."""
+    """MXNet RecordIO (`.rec` + `.idx`, as written by im2rec or MXIndexedRecordIO). The .idx must list
+    every record of the .rec exactly once (NOTE [a RecordIO index covers its records]); each label
+    must be a class index. Records are read by kdcache from a descriptor checked regular, not by
+    MXNet from the path."""
 
     def __init__(self, rec_path, split="train", size=None, num_classes=None):
-        import mxnet as mx
         if not rec_path.endswith(".rec"):
             raise DatasetError(f"--data-root {rec_path!r}: for --dataset recordio pass the .rec file "
                                f"(its .idx beside it)")
         idx_path = rec_path[:-4] + ".idx"
         for p in (rec_path, idx_path):
-            if not os.path.isfile(p):
+            if not os.path.lexists(p):
                 raise DatasetError(f"missing {p}: RecordIO needs the .rec file and its .idx index (im2rec writes both)")
         self.rec_path, self.idx_path = rec_path, idx_path
-        self.keys, labels = self._checked_index()
-        if None in labels:  # records written in parts: MXNet joins them
-            rec = mx.recordio.MXIndexedRecordIO(idx_path, rec_path, "r")
-            for i in [i for i, lab in enumerate(labels) if lab is None]:
-                lab = self._record(rec, self.keys[i])[0].label
-                labels[i] = int(lab if np.isscalar(lab) else np.asarray(lab).reshape(-1)[0])
-            rec.close()
+        self.keys, self.offsets, labels = self._checked_index(num_classes)
         digest = files_digest([(p, os.path.basename(p)) for p in (rec_path, idx_path)],
                               desc=f"digest of {rec_path}")
         classes = num_classes or (max(labels) + 1 if labels else 0)
         super().__init__("recordio", split, len(self.keys), labels, classes, size,
                          {"digest": digest, "file": os.path.basename(rec_path)})
 
-    def _checked_index(self):
-        """(keys, labels) of the .idx's records. Each offset is checked against the .rec's size and the
-        record header there (RecordIO's magic, a length within the file) before MXNet reads anything,
-        and the label is read from the record's IRHeader: loading reads ~36 bytes a record, not the
-        images (the label is None for a record written in parts: MXNet joins them)."""
-        try:
-            with open(self.idx_path) as fh:
-                index = [(int(f[0]), int(f[1])) for f in (line.split("\t") for line in fh if line.strip())]
-        except (ValueError, IndexError):
-            raise DatasetError(f"{self.idx_path}: not a RecordIO index (lines of <record key><tab><offset>): "
-                               f"rebuild it with the .rec (im2rec)") from None
-        size = os.path.getsize(self.rec_path)
-        labels = []
-        with open(self.rec_path, "rb") as fh:
+    # NOTE [a RecordIO index covers its records]
+    # MXNet reads the record an .idx line points at and nothing else: an index that leaves records
+    # out trains on fewer samples without a word, one that lists a record twice weighs it twice, and
+    # an offset inside a record reads whatever bytes lie there. So the .rec is walked from its first
+    # byte, part header to part header (8 bytes read each, plus the first 28 of each record's own
+    # header for its label), and the .idx must name each record start exactly once: keys unique,
+    # offsets unique, every offset a record's start, every record listed, the walk ending at the
+    # file's last byte. The cost is the one the old check paid: one small read per record.
+    def _checked_index(self, num_classes):
+        """(keys, offsets, labels) of the .idx's records, in its order; DatasetError naming the record
+        when the index does not cover the .rec's records exactly once or a label is not a class."""
+        index = self._read_index()
+        with open_data(self.rec_path) as fh:
+            fd, size = fh.fileno(), os.fstat(fh.fileno()).st_size
+            listed = {}
             for k, offset in index:
+                if offset in listed:
+                    raise DatasetError(f"{self.idx_path}: records {listed[offset]} and {k} both point at offset "
+                                       f"{offset}: one record would be read twice; {self._fix(k)}")
                 if not 0 <= offset <= size - 8:
                     raise DatasetError(f"{self.idx_path}: record {k} at offset {offset} is past the end of "
                                        f"{os.path.basename(self.rec_path)} ({size} bytes): the .rec is truncated "
                                        f"or the index belongs to another file; {self._fix(k)}")
-                fh.seek(offset)
-                head = fh.read(8 + 28)  # record header, IRHeader (flag, label, id, id2), first label of many
-                magic, lrec = struct.unpack("<II", head[:8])
-                length, parts = lrec & ((1 << 29) - 1), lrec >> 29  # of the record, or of its first part
-                if magic != RECORD_MAGIC:
-                    reason = "no RecordIO record starts there"
-                elif offset + 8 + length > size:
-                    reason = f"it declares {length} bytes, past the end of the file ({size} bytes)"
-                elif parts:
-                    labels.append(None)
-                    continue
-                elif length < 24 or (head[8:12] != bytes(4) and length < 28):
-                    reason = f"{length} bytes, too short for its header"
-                else:
-                    flag, label = struct.unpack("<If", head[8:16])
-                    label = struct.unpack("<f", head[32:36])[0] if flag else label
-                    if math.isfinite(label):
-                        labels.append(int(label))
-                        continue
-                    reason = f"its label is {label}"
-                raise DatasetError(f"{self.rec_path}: record {k} (offset {offset}) cannot be read ({reason}): "
-                                   f"the file is truncated or damaged, or {os.path.basename(self.idx_path)} "
-                                   f"belongs to another file; {self._fix(k)}")
-        return [k for k, _ in index], labels
+                listed[offset] = k
+            label_of, unlisted, pos, last = {}, [], 0, None
+            while pos < size:
+                k = listed.get(pos)
+                try:
+                    magic, length, part = _part_at(fd, pos, size)
+                    if magic != RECORD_MAGIC or part not in (0, 1):
+                        raise _BadRecord("no RecordIO record starts there" if magic != RECORD_MAGIC else
+                                         "the middle of a record written in parts starts there")
+                    if part == 0:
+                        head, after = os.pread(fd, min(length, 28), pos + 8), pos + 8 + _pad4(length)
+                    else:
+                        raw, after = read_record(fd, pos, size)
+                        head = raw[:28]
+                    label_of[pos] = self._label(head, length if part == 0 else len(raw), k, pos, num_classes)
+                except _BadRecord as e:
+                    where = f"record {k} (offset {pos})" if k is not None else (
+                        f"offset {pos} (after record {last})" if last is not None else f"offset {pos}")
+                    raise DatasetError(f"{self.rec_path}: {where} cannot be read ({e}): the file is truncated "
+                                       f"or damaged, or {os.path.basename(self.idx_path)} belongs to another "
+                                       f"file; {self._fix(k) if k is not None else REBUILD_REC}") from None
+                if k is None:
+                    unlisted.append(pos)
+                last, pos = (k if k is not None else last), after
+        inside = [(k, o) for k, o in index if o not in label_of]
+        if inside:
+            k, o = inside[0]
+            raise DatasetError(f"{self.idx_path}: record {k} at offset {o} points inside another record, not at "
+                               f"one's start: the index belongs to another file; {self._fix(k)}")
+        if unlisted:
+            raise DatasetError(f"{self.idx_path}: lists {len(index)} of the {len(label_of)} records in "
+                               f"{os.path.basename(self.rec_path)}: {len(unlisted)} left out (the first at offset "
+                               f"{unlisted[0]}); a data set read through it would lose them: "
+                               f"{REBUILD_REC}")
+        return [k for k, _ in index], [o for _, o in index], [label_of[o] for _, o in index]
+
+    def _read_index(self):
+        """[(key, offset)] of the .idx's lines, keys unique."""
+        try:
+            with open_data(self.idx_path) as fh:
+                text = fh.read().decode("ascii")
+            index = [(int(f[0]), int(f[1])) for f in (line.split("\t") for line in text.splitlines()
+                                                     if line.strip())]
+        except (ValueError, IndexError):
+            raise DatasetError(f"{self.idx_path}: not a RecordIO index (lines of <record key><tab><offset>): "
+                               f"rebuild it with the .rec (im2rec)") from None
+        except OSError as e:
+            raise unreadable(self.idx_path, e, READ_FIX) from None
+        seen = set()
+        for k, _ in index:
+            if k in seen:
+                raise DatasetError(f"{self.idx_path}: record key {k} is listed twice: keys name one record "
+                                   f"each; {REBUILD_REC}")
+            seen.add(k)
+        return index
+
+    def _label(self, head, length, k, offset, num_classes):
+        """The class index in a record's IRHeader (flag, label, id, id2, then `flag` labels when flag > 0:
+        the first is the class); _BadRecord or DatasetError naming the record when it is no class."""
+        if length < 24 or (head[:4] != bytes(4) and length < 28):
+            raise _BadRecord(f"{length} bytes, too short for its header")
+        flag, label = struct.unpack("<If", head[:8])
+        label = struct.unpack("<f", head[24:28])[0] if flag else label
+        limit = num_classes or MAX_CLASSES
+        if math.isfinite(label) and label == int(label) and 0 <= label < limit:
+            return int(label)
+        what = ("not a number" if math.isnan(label) else "not a whole number" if not math.isfinite(label) or
+                label != int(label) else "negative" if label < 0 else
+                f"not below --num-classes {num_classes}" if num_classes else
+                f"past the {MAX_CLASSES:,} classes kdcache takes")
+        where = f"record {k}" if k is not None else f"the record at offset {offset}"
+        raise DatasetError(f"{self.rec_path}: {where}: label {label:g} is {what}: a label is a class index, 0 to "
+                           f"the class count - 1; write the record with its class index (im2rec's .lst labels)"
+                           + ("" if not num_classes or label != int(label) or label < 0 else
+                              ", or pass --num-classes to match the labels"))
 
     def _fix(self, k):
         return (f"rebuild {os.path.basename(self.rec_path)} (im2rec), or remove record {k}'s line from "
                 f"{os.path.basename(self.idx_path)}")
 
-    def _record(self, rec, k):
-        """(header, image bytes) of record k; DatasetError naming the .rec file and the record."""
+    def _record(self, fd, i):
+        """(header, image bytes) of the i-th record; DatasetError naming the .rec file and the record."""
         import mxnet as mx
+        k = self.keys[i]
         try:
-            raw = rec.read_idx(k)
-            if raw is None:  # read past the end of the file
-                raise EOFError("the .rec file ends before it")
+            raw, _ = read_record(fd, self.offsets[i], os.fstat(fd).st_size)
             return mx.recordio.unpack(raw)
-        except (mx.base.MXNetError, EOFError, struct.error) as e:
-            reason = _mxnet_reason(e) if isinstance(e, mx.base.MXNetError) else str(e)
+        except (_BadRecord, struct.error, OSError) as e:
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
             raise DatasetError(f"{self.rec_path}: record {k} cannot be read ({reason}): the file is truncated "
                                f"or damaged, or {os.path.basename(self.idx_path)} belongs to another file; "
                                f"{self._fix(k)}") from None
 
     def _decode(self, i, out=None):
-        import mxnet as mx
-        if self._pid != os.getpid():
-            self._rec = mx.recordio.MXIndexedRecordIO(self.idx_path, self.rec_path, "r")
+        if self._pid != os.getpid():  # opened once per process, checked regular (a fork's copy is not shared)
+            self._rec = open_data(self.rec_path)
             self._pid = os.getpid()
+        _, img = self._record(self._rec.fileno(), i)
         k = self.keys[i]
-        _, img = self._record(self._rec, k)
         return self._image(img, f"{self.rec_path}: record {k}", self._fix(k), out=out)
+
+
+REBUILD_REC = "rebuild the .rec and its .idx together (im2rec, or MXIndexedRecordIO)"
 
 
 IMAGE_EXTS = (".jpg", ".jpeg", ".png")  # the names gluon's ImageFolderDataset takes for images

@@ -349,16 +349,17 @@ class RecordIODataset(DecodedDataset):
 
     def _read_index(self):
         """[(key, offset)] of the .idx's lines, keys unique."""
+        with open_data(self.idx_path) as fh:
+            try:
+                text = fh.read()
+            except OSError as e:
+                raise unreadable(self.idx_path, e, READ_FIX) from None
         try:
-            with open_data(self.idx_path) as fh:
-                text = fh.read().decode("ascii")
-            index = [(int(f[0]), int(f[1])) for f in (line.split("\t") for line in text.splitlines()
+            index = [(int(f[0]), int(f[1])) for f in (line.split(b"\t") for line in text.splitlines()
                                                      if line.strip())]
         except (ValueError, IndexError):
             raise DatasetError(f"{self.idx_path}: not a RecordIO index (lines of <record key><tab><offset>): "
                                f"rebuild it with the .rec (im2rec)") from None
-        except OSError as e:
-            raise unreadable(self.idx_path, e, READ_FIX) from None
         seen = set()
         for k, _ in index:
             if k in seen:
@@ -382,7 +383,8 @@ class RecordIODataset(DecodedDataset):
                 f"not below --num-classes {num_classes}" if num_classes else
                 f"past the {MAX_CLASSES:,} classes kdcache takes")
         where = f"record {k}" if k is not None else f"the record at offset {offset}"
-        raise DatasetError(f"{self.rec_path}: {where}: label {label:g} is {what}: a label is a class index, 0 to "
+        shown = int(label) if math.isfinite(label) and label == int(label) else f"{label:g}"
+        raise DatasetError(f"{self.rec_path}: {where}: label {shown} is {what}: a label is a class index, 0 to "
                            f"the class count - 1; write the record with its class index (im2rec's .lst labels)"
                            + ("" if not num_classes or label != int(label) or label < 0 else
                               ", or pass --num-classes to match the labels"))

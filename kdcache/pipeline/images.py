@@ -256,10 +256,14 @@ def read_record(fd, offset, size):
 def _part_at(fd, pos, size):
     """(magic, length, part flag) of the record part whose header is at `pos`, its length checked
     against the file's size."""
-    head = os.pread(fd, 8, pos)
+    return _part_header(os.pread(fd, 8, pos), pos, size)
+
+
+def _part_header(head, pos, size):
+    """_part_at from the bytes read at `pos` (at least the 8 of the header, when the file has them)."""
     if len(head) < 8:
         raise _BadRecord(f"the file ends inside the record header at offset {pos}")
-    magic, lrec = struct.unpack("<II", head)
+    magic, lrec = struct.unpack_from("<II", head)
     length, part = lrec & ((1 << 29) - 1), lrec >> 29
     if magic == RECORD_MAGIC and pos + 8 + length > size:
         raise _BadRecord(f"it declares {length} bytes, past the end of the file ({size} bytes)")
@@ -316,12 +320,13 @@ class RecordIODataset(DecodedDataset):
             while pos < size:
                 k = listed.get(pos)
                 try:
-                    magic, length, part = _part_at(fd, pos, size)
+                    head = os.pread(fd, 36, pos)  # the part's header, then its IRHeader: one read a record
+                    magic, length, part = _part_header(head, pos, size)
                     if magic != RECORD_MAGIC or part not in (0, 1):
                         raise _BadRecord("no RecordIO record starts there" if magic != RECORD_MAGIC else
                                          "the middle of a record written in parts starts there")
                     if part == 0:
-                        head, after = os.pread(fd, min(length, 28), pos + 8), pos + 8 + _pad4(length)
+                        head, after = head[8:8 + min(length, 28)], pos + 8 + _pad4(length)
                     else:
                         raw, after = read_record(fd, pos, size)
                         head = raw[:28]

@@ -24,7 +24,7 @@ def photos(tmp_path_factory):
     make_photos(str(d / "folder"), PHOTOS)
     from tests.datafiles import write_rec
     from kdcache.pipeline.images import ImageFolderDataset
-    items = ImageFolderDataset(str(d / "folder"), "train", (40, 40))._folder.items[:24]
+    items = ImageFolderDataset(str(d / "folder"), "train", (40, 40)).items[:24]
     from PIL import Image
     imgs = [np.asarray(Image.open(p).convert("RGB")) for p, _ in items]
     write_rec(str(d / "p.rec"), imgs, [lab for _, lab in items])
@@ -149,7 +149,7 @@ def test_a_damaged_photo_in_a_worker_is_one_line_naming_it_and_rows_before_are_k
     from kdcache.store.registry import cache_bases, info
     shutil.copytree(photos, tmp_path / "p")
     from kdcache.pipeline.datasets import load_dataset
-    items = load_dataset("imagefolder", data_root=str(tmp_path / "p" / "folder"), image_size="40x40")._folder.items
+    items = load_dataset("imagefolder", data_root=str(tmp_path / "p" / "folder"), image_size="40x40").items
     bad = items[40][0]  # in the third batch
     data = open(bad, "rb").read()
     open(bad, "wb").write(data[:len(data) // 2])

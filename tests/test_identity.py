@@ -363,7 +363,7 @@ def test_recordio_labels_are_read_from_record_headers_records_in_parts_by_mxnet(
     with open(rec, "r+b") as fh:
         fh.seek(offset + 12)
         fh.write(np.float32("nan").tobytes())
-    one_line(dataset_error(lambda: load_dataset("recordio", data_root=rec), rec, "record 2", "label is nan"))
+    one_line(dataset_error(lambda: load_dataset("recordio", data_root=rec), rec, "record 2", "label nan is not a number"))
 
 
 @pytest.mark.parametrize("shape", [(10 ** 6, 1000, 1000), (4, 5), (2,)])

@@ -130,11 +130,11 @@ def test_labels_out_of_range_are_refused(tmp_path):
     np.savez(p, x=np.zeros((3, 4, 4), np.uint8), y=np.array([0, -1, 1]))
     dataset_error(lambda: load_dataset("npz", data_root=str(p)), "labels outside")
     rec, _, _ = make_rec(tmp_path / "r")  # labels 0..2
-    dataset_error(lambda: load_dataset("recordio", data_root=rec, num_classes=2), "labels outside [0, 2)",
+    dataset_error(lambda: load_dataset("recordio", data_root=rec, num_classes=2), "record 0: label 2 is not below",
                   "--num-classes")
     img = np.zeros((4, 4, 3), np.uint8)
     neg = write_rec(tmp_path / "neg.rec", [img, img], [1, -1])
-    dataset_error(lambda: load_dataset("recordio", data_root=neg), "labels outside")
+    dataset_error(lambda: load_dataset("recordio", data_root=neg), "record 1: label -1 is negative")
 
 
 def test_recordio_mixed_sizes_need_image_size(tmp_path):
@@ -244,11 +244,11 @@ def test_imagefolder_entry_that_is_no_file_names_it(tmp_path):
     make_folder(tmp_path)
     (tmp_path / "moth" / "folder.png").mkdir()
     one_line(dataset_error(lambda: load_dataset("imagefolder", data_root=str(tmp_path)),
-                           str(tmp_path / "moth" / "folder.png"), "cannot be read", "remove or replace it"))
+                           str(tmp_path / "moth" / "folder.png"), "a folder, not a regular file", "remove it"))
     shutil.rmtree(tmp_path / "moth" / "folder.png")
     os.symlink(tmp_path / "gone.png", tmp_path / "moth" / "link.png")
     one_line(dataset_error(lambda: load_dataset("imagefolder", data_root=str(tmp_path)),
-                           str(tmp_path / "moth" / "link.png"), "cannot be read", "remove or replace it"))
+                           str(tmp_path / "moth" / "link.png"), "a dangling symbolic link", "remove it"))
 
 
 @pytest.mark.parametrize("kind", ["not-an-image", "empty", "truncated-png", "truncated-jpeg"])

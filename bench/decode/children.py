@@ -44,7 +44,7 @@ def decode_ms(root, n, repeats=1):
         for i in range(0, n, BATCH):
             make_views(ds, np.arange(i, min(n, i + BATCH)), 0, seed=0, augment=aug)
         best = min(best, (time.perf_counter() - t0) / n * 1e3)
-    paths = [p for p, _ in ds._folder.items[:n]]
+    paths = [p for p, _ in ds.items[:n]]
     t0 = time.perf_counter()
     for p in paths:
         with Image.open(p) as im:

@@ -15,6 +15,7 @@ item_digest / item_records: one item's digest, what a cache records of each item
 import hashlib
 import json
 import os
+import stat
 import sys
 import tempfile
 import time
@@ -22,6 +23,7 @@ import time
 import numpy as np
 
 from kdcache.store import file_digest
+from kdcache.store.osutil import NotOurs, open_regular
 
 from .dataset_base import DatasetError
 
@@ -81,24 +83,85 @@ def unreadable(path, e, fix):
     return DatasetError(f"{path}: cannot be read ({e.strerror or e}): {fix}")
 
 
-def _stat_key(path, fix):
-    """(memo key, size, ns of its last change: the later of mtime and ctime) of one file; DatasetError
-    naming it when it cannot be reached."""
+# NOTE [a user's data files are regular files]
+# Whatever a data set reads from a user's folder -- an image, a .rec and its .idx, an IDX, CIFAR or
+# .npz file -- must be a regular file, or a symbolic link to one (photo folders are often links into
+# a shared store). Anything else is refused in one line before a byte is read: a FIFO (a plain open
+# waits for a writer forever), a link to /dev/zero (it never ends), a socket or device (opening some
+# has effects), a dangling link, a folder named like a file. The entry is judged by stat() first, so
+# a device is never opened; then it is opened with O_NONBLOCK (an entry swapped for a FIFO in
+# between opens at once) and judged again by fstat() on what was opened, and that descriptor is what
+# is read. Not skipped: an entry the owner put under an image's name stands for a sample, and a data
+# set that silently lost samples would train and be cached as if whole.
+NOT_REGULAR_FIX = "replace it with the file it stands for, or remove it"
+_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def _kind(mode):
+    return next((what for test, what in _KINDS if test(mode)), "not a regular file")
+
+
+def not_regular(path, st):
+    """The DatasetError for a data file whose stat() result `st` is not a regular file's, or None."""
+    if stat.S_ISREG(st.st_mode):
+        return None
+    what = _kind(st.st_mode)
+    if os.path.islink(path):
+        what = f"a symbolic link to {os.path.realpath(path)}, {what}"
+    return DatasetError(f"{path}: {what}, not a regular file: refused unread; {NOT_REGULAR_FIX}")
+
+
+def check_regular(path, fix=READ_FIX):
+    """stat() of a data file (links followed) when it is a regular file; DatasetError naming it, what
+    it is and the fix otherwise (a dangling link, a FIFO, a device ...). Nothing is opened."""
     try:
-        real = os.path.realpath(path)
-        st = os.stat(real)
+        st = os.stat(path)
+    except FileNotFoundError as e:
+        if os.path.islink(path):
+            raise DatasetError(f"{path}: a dangling symbolic link (to {os.readlink(path)}, which does not "
+                               f"exist): refused unread; {NOT_REGULAR_FIX}") from None
+        raise unreadable(path, e, fix) from None
     except OSError as e:
         raise unreadable(path, e, fix) from None
+    bad = not_regular(path, st)
+    if bad:
+        raise bad
+    return st
+
+
+def open_data(path, fix=READ_FIX):
+    """A data file opened for reading in binary, never blocking: a regular file or a link to one
+    (NOTE [a user's data files are regular files]); DatasetError naming it otherwise."""
+    check_regular(path, fix)
+    try:
+        fd, _ = open_regular(path, follow=True)
+    except NotOurs as e:  # it changed since the stat(): a FIFO or a device now
+        raise DatasetError(f"{path}: {e.why}, not a regular file: refused unread; {NOT_REGULAR_FIX}") from None
+    except OSError as e:
+        raise unreadable(path, e, fix) from None
+    return os.fdopen(fd, "rb")
+
+
+def _stat_key(path, fix):
+    """(memo key, size, ns of its last change: the later of mtime and ctime) of one file; DatasetError
+    naming it when it cannot be reached or is not a regular file."""
+    try:
+        real = os.path.realpath(path)
+    except OSError as e:
+        raise unreadable(path, e, fix) from None
+    st = check_regular(path, fix)
     key = json.dumps([real, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns])
     return key, st.st_size, max(st.st_mtime_ns, st.st_ctime_ns)
 
 
 def sha256_file(path, fix, progress=None):
     """Hex sha256 of a file's bytes, read in blocks; `progress(n)` is told of each block."""
-    try:
-        return file_digest(path, BLOCK, progress)
-    except OSError as e:
-        raise unreadable(path, e, fix) from None
+    with open_data(path, fix) as fh:
+        try:
+            return file_digest(fh, BLOCK, progress)
+        except OSError as e:
+            raise unreadable(path, e, fix) from None
 
 
 def files_digest(files, *, desc="digest", fix=READ_FIX):

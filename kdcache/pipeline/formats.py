@@ -4,6 +4,7 @@ Headers are untrusted: IDX dims, CIFAR record counts and .npy shapes are checked
 (or the zip member's) size before anything is allocated or read, and a .gz is never expanded past
 what its header promises. The identity digests every byte of every file read (pipeline/digests.py).
 """
+import contextlib
 import gzip
 import math
 import os
@@ -14,7 +15,7 @@ import zlib
 import numpy as np
 
 from .dataset_base import ArrayDataset, DatasetError, nchw
-from .digests import files_digest
+from .digests import files_digest, open_data
 
 
 # --- MNIST / Fashion-MNIST (IDX files) ------------------------------------------------------
@@ -24,7 +25,7 @@ GZ_MAX_RATIO = 1032
 
 def _find_maybe_gz(path):
     for p in (path, path + ".gz"):
-        if os.path.exists(p):
+        if os.path.lexists(p):  # a dangling link too: open_data names it
             return p
     raise DatasetError(f"missing file {path} (or {path}.gz): put the data set's standard files under --data-root")
 
@@ -36,8 +37,8 @@ def read_idx(path, ndim=None):
     its header promises (a small .gz can expand to gigabytes)."""
     path = _find_maybe_gz(path)
     gz = path.endswith(".gz")
-    size = os.path.getsize(path)
-    with (gzip.open if gz else open)(path, "rb") as fh:
+    with open_data(path) as raw, (gzip.GzipFile(fileobj=raw) if gz else contextlib.nullcontext(raw)) as fh:
+        size = os.fstat(raw.fileno()).st_size
         try:  # a damaged or truncated .gz fails inside read(), a short header in unpack()
             head = fh.read(4)
             if len(head) < 4 or head[0] != 0 or head[1] != 0 or head[2] != 0x08:
@@ -122,15 +123,16 @@ def load_cifar(name, root, split="train"):
     xs, ys = [], []
     for fn in files:
         p = os.path.join(root, fn)
-        if not os.path.exists(p):
+        if not os.path.lexists(p):
             raise DatasetError(f"missing file {p}: {name} is read from its binary version "
                                f"({sub}/{files[0]} ...) under --data-root; the Python (pickle) version is "
                                f"not read, for safety")
-        size = os.path.getsize(p)
-        if size % rec:  # checked before anything is read
-            raise DatasetError(f"{p}: {size} bytes is not a whole number of {rec}-byte records: the file "
-                               f"is truncated or not {name}'s binary format; fetch it again")
-        raw = np.fromfile(p, dtype=np.uint8)
+        with open_data(p) as fh:
+            size = os.fstat(fh.fileno()).st_size
+            if size % rec:  # checked before anything is read
+                raise DatasetError(f"{p}: {size} bytes is not a whole number of {rec}-byte records: the file "
+                                   f"is truncated or not {name}'s binary format; fetch it again")
+            raw = np.fromfile(fh, dtype=np.uint8)
         if raw.size != size:
             raise DatasetError(f"{p}: changed while it was read: load it again")
         raw = raw.reshape(-1, rec)
@@ -146,30 +148,19 @@ NPZ_KEYS = {"train": [("x_train", "y_train"), ("x", "y"), ("data", "labels"), ("
 
 
 def load_npz(path, split="train", num_classes=None):
-    if not os.path.isfile(path):
+    if os.path.isdir(path):
         raise DatasetError(f"--data-root {path!r} is not a file: for --dataset npz pass the .npz file itself")
-    with open(path, "rb") as fh:
+    fh = open_data(path)
+    with fh:
         if fh.read(6) == b"\x93NUMPY":  # a single .npy array: refused unread
             raise DatasetError(f"{path}: a .npy array, not an .npz archive: save images and labels together "
                                f"with np.savez(path, x_train=..., y_train=...)")
-    try:
-        z = np.load(path, allow_pickle=False)  # data only: object arrays are refused
-    except (OSError, ValueError) as e:
-        raise DatasetError(f"{path}: not a readable .npz file ({e})") from None
-    with z:
-        for xk, yk in NPZ_KEYS[split]:
-            if xk in z.files and yk in z.files:
-                for k in (xk, yk):
-                    _check_npz_member(path, z, k)
-                try:  # members are read here: object arrays fail only now, under allow_pickle=False
-                    x, y = z[xk], z[yk]
-                except ValueError as e:
-                    raise DatasetError(f"{path}: {xk}/{yk} cannot be read as plain arrays ({e}); "
-                                       f"{OBJECT_FIX}") from None
-                break
-        else:
-            raise DatasetError(f"{path}: no {split} arrays; expected one of "
-                               f"{', '.join(f'{a}/{b}' for a, b in NPZ_KEYS[split])}, found {', '.join(z.files)}")
+        fh.seek(0)
+        try:
+            z = np.load(fh, allow_pickle=False)  # data only: object arrays are refused
+        except (OSError, ValueError) as e:
+            raise DatasetError(f"{path}: not a readable .npz file ({e})") from None
+        x, y = _npz_arrays(path, z, split)
     if not np.issubdtype(y.dtype, np.integer):
         raise DatasetError(f"{path}: labels have dtype {y.dtype}: store integer class labels")
     if y.ndim == 2 and y.shape[1] == 1:  # Keras stores labels as [N, 1]
@@ -186,6 +177,25 @@ def load_npz(path, split="train", num_classes=None):
                                f"store uint8 pixels 0..255, or floats scaled to [0, 1]")
     classes = num_classes or (int(y.max()) + 1 if y.size else 0)
     return ArrayDataset("npz", split, x, y, classes, scale=scale, digest=_digest_of([path]))
+
+
+def _npz_arrays(path, z, split):
+    """(images, labels) of an open .npz, under the first pair of NPZ_KEYS names it holds."""
+    with z:
+        for xk, yk in NPZ_KEYS[split]:
+            if xk in z.files and yk in z.files:
+                for k in (xk, yk):
+                    _check_npz_member(path, z, k)
+                try:  # members are read here: object arrays fail only now, under allow_pickle=False
+                    x, y = z[xk], z[yk]
+                except ValueError as e:
+                    raise DatasetError(f"{path}: {xk}/{yk} cannot be read as plain arrays ({e}); "
+                                       f"{OBJECT_FIX}") from None
+                break
+        else:
+            raise DatasetError(f"{path}: no {split} arrays; expected one of "
+                               f"{', '.join(f'{a}/{b}' for a, b in NPZ_KEYS[split])}, found {', '.join(z.files)}")
+    return x, y
 
 
 OBJECT_FIX = ("object arrays (pickled Python objects) are refused for safety: save numeric arrays, e.g. np.stack "

@@ -8,6 +8,7 @@ each record's length against the .rec's size before MXNet reads a record, an ima
 the .idx and every image (pipeline/digests.py remembers the digests).
 """
 import io
+import logging
 import math
 import os
 import re
@@ -17,7 +18,7 @@ import warnings
 import numpy as np
 
 from .dataset_base import Dataset, DatasetError
-from .digests import files_digest, unreadable
+from .digests import READ_FIX, files_digest, open_data, unreadable
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 PNG_IEND = b"\x00\x00\x00\x00IEND\xaeB`\x82"  # the last chunk of every PNG, always these 12 bytes
@@ -134,12 +135,20 @@ def _mxnet_reason(e):
 
 
 def read_file(path, fix):
-    """The bytes of one image file; DatasetError naming it when it cannot be read."""
-    try:
-        with open(path, "rb") as fh:
+    """The bytes of one image file; DatasetError naming it when it cannot be read or is not a
+    regular file (a FIFO, a link to a device: never opened in a way that can block)."""
+    with open_data(path, fix) as fh:
+        try:
             return fh.read()
-    except OSError as e:
-        raise unreadable(path, e, fix) from None
+        except OSError as e:
+            raise unreadable(path, e, fix) from None
+
+
+def _opened_path(fh):
+    """A name by which MXNet opens the very file `fh` holds (checked regular), not whatever the
+    path names by then: /proc/self/fd/N; None where /proc is not mounted."""
+    p = f"/proc/self/fd/{fh.fileno()}"
+    return p if os.path.exists(p) else None
 
 
 class DecodedDataset(Dataset):
@@ -213,109 +222,291 @@ class DecodedDataset(Dataset):
                 "shape": list(self.shape), **self.params}
 
 
+MAX_CLASSES = 1 << 24  # --num-classes' bound: a label past it is not a class index
+
+
+class _BadRecord(Exception):
+    """Why the record at an offset cannot be read (RecordIODataset names the file and the record)."""
+
+
+def _pad4(n):
+    return (n + 3) & ~3
+
+
+def read_record(fd, offset, size):
+    """(bytes of the record starting at `offset` of the .rec open as `fd`, the offset after it). A
+    record is written in parts where its data holds RecordIO's magic at a 4-byte boundary (flags 1,
+    2 ... 3): the parts are joined with the magic between them, as MXNet's reader joins them. Read
+    with pread: threads may share the descriptor."""
+    chunks, pos = [], offset
+    while True:
+        magic, length, part = _part_at(fd, pos, size)
+        if magic != RECORD_MAGIC:
+            raise _BadRecord("no RecordIO record starts there" if pos == offset else
+                             f"its part at offset {pos} is no RecordIO record")
+        if (part in (0, 1)) != (pos == offset):
+            raise _BadRecord("no RecordIO record starts there (the middle of a record written in parts)"
+                             if pos == offset else f"its part at offset {pos} starts another record")
+        chunks.append(os.pread(fd, length, pos + 8))
+        pos += 8 + _pad4(length)
+        if part in (0, 3):
+            return struct.pack("<I", RECORD_MAGIC).join(chunks), pos
+
+
+def _part_at(fd, pos, size):
+    """(magic, length, part flag) of the record part whose header is at `pos`, its length checked
+    against the file's size."""
+    return _part_header(os.pread(fd, 8, pos), pos, size)
+
+
+def _part_header(head, pos, size):
+    """_part_at from the bytes read at `pos` (at least the 8 of the header, when the file has them)."""
+    if len(head) < 8:
+        raise _BadRecord(f"the file ends inside the record header at offset {pos}")
+    magic, lrec = struct.unpack_from("<II", head)
+    length, part = lrec & ((1 << 29) - 1), lrec >> 29
+    if magic == RECORD_MAGIC and pos + 8 + length > size:
+        raise _BadRecord(f"it declares {length} bytes, past the end of the file ({size} bytes)")
+    return magic, length, part
+
+
 class RecordIODataset(DecodedDataset):
-    """MXNet RecordIO (`.rec` + `.idx`, as written by im2rec or MXIndexedRecordIO)."""
+    """MXNet RecordIO (`.rec` + `.idx`, as written by im2rec or MXIndexedRecordIO). The .idx must list
+    every record of the .rec exactly once (NOTE [a RecordIO index covers its records]); each label
+    must be a class index. Records are read by kdcache from a descriptor checked regular, not by
+    MXNet from the path."""
 
     def __init__(self, rec_path, split="train", size=None, num_classes=None):
-        import mxnet as mx
         if not rec_path.endswith(".rec"):
             raise DatasetError(f"--data-root {rec_path!r}: for --dataset recordio pass the .rec file "
                                f"(its .idx beside it)")
         idx_path = rec_path[:-4] + ".idx"
         for p in (rec_path, idx_path):
-            if not os.path.isfile(p):
+            if not os.path.lexists(p):
                 raise DatasetError(f"missing {p}: RecordIO needs the .rec file and its .idx index (im2rec writes both)")
         self.rec_path, self.idx_path = rec_path, idx_path
-        self.keys, labels = self._checked_index()
-        if None in labels:  # records written in parts: MXNet joins them
-            rec = mx.recordio.MXIndexedRecordIO(idx_path, rec_path, "r")
-            for i in [i for i, lab in enumerate(labels) if lab is None]:
-                lab = self._record(rec, self.keys[i])[0].label
-                labels[i] = int(lab if np.isscalar(lab) else np.asarray(lab).reshape(-1)[0])
-            rec.close()
+        self.keys, self.offsets, labels = self._checked_index(num_classes)
         digest = files_digest([(p, os.path.basename(p)) for p in (rec_path, idx_path)],
                               desc=f"digest of {rec_path}")
         classes = num_classes or (max(labels) + 1 if labels else 0)
         super().__init__("recordio", split, len(self.keys), labels, classes, size,
                          {"digest": digest, "file": os.path.basename(rec_path)})
 
-    def _checked_index(self):
-        """(keys, labels) of the .idx's records. Each offset is checked against the .rec's size and the
-        record header there (RecordIO's magic, a length within the file) before MXNet reads anything,
-        and the label is read from the record's IRHeader: loading reads ~36 bytes a record, not the
-        images (the label is None for a record written in parts: MXNet joins them)."""
-        try:
-            with open(self.idx_path) as fh:
-                index = [(int(f[0]), int(f[1])) for f in (line.split("\t") for line in fh if line.strip())]
-        except (ValueError, IndexError):
-            raise DatasetError(f"{self.idx_path}: not a RecordIO index (lines of <record key><tab><offset>): "
-                               f"rebuild it with the .rec (im2rec)") from None
-        size = os.path.getsize(self.rec_path)
-        labels = []
-        with open(self.rec_path, "rb") as fh:
+    # NOTE [a RecordIO index covers its records]
+    # MXNet reads the record an .idx line points at and nothing else: an index that leaves records
+    # out trains on fewer samples without a word, one that lists a record twice weighs it twice, and
+    # an offset inside a record reads whatever bytes lie there. So the .rec is walked from its first
+    # byte, part header to part header (8 bytes read each, plus the first 28 of each record's own
+    # header for its label), and the .idx must name each record start exactly once: keys unique,
+    # offsets unique, every offset a record's start, every record listed, the walk ending at the
+    # file's last byte. The cost is the one the old check paid: one small read per record.
+    def _checked_index(self, num_classes):
+        """(keys, offsets, labels) of the .idx's records, in its order; DatasetError naming the record
+        when the index does not cover the .rec's records exactly once or a label is not a class."""
+        index = self._read_index()
+        with open_data(self.rec_path) as fh:
+            fd, size = fh.fileno(), os.fstat(fh.fileno()).st_size
+            listed = {}
             for k, offset in index:
+                if offset in listed:
+                    raise DatasetError(f"{self.idx_path}: records {listed[offset]} and {k} both point at offset "
+                                       f"{offset}: one record would be read twice; {self._fix(k)}")
                 if not 0 <= offset <= size - 8:
                     raise DatasetError(f"{self.idx_path}: record {k} at offset {offset} is past the end of "
                                        f"{os.path.basename(self.rec_path)} ({size} bytes): the .rec is truncated "
                                        f"or the index belongs to another file; {self._fix(k)}")
-                fh.seek(offset)
-                head = fh.read(8 + 28)  # record header, IRHeader (flag, label, id, id2), first label of many
-                magic, lrec = struct.unpack("<II", head[:8])
-                length, parts = lrec & ((1 << 29) - 1), lrec >> 29  # of the record, or of its first part
-                if magic != RECORD_MAGIC:
-                    reason = "no RecordIO record starts there"
-                elif offset + 8 + length > size:
-                    reason = f"it declares {length} bytes, past the end of the file ({size} bytes)"
-                elif parts:
-                    labels.append(None)
-                    continue
-                elif length < 24 or (head[8:12] != bytes(4) and length < 28):
-                    reason = f"{length} bytes, too short for its header"
-                else:
-                    flag, label = struct.unpack("<If", head[8:16])
-                    label = struct.unpack("<f", head[32:36])[0] if flag else label
-                    if math.isfinite(label):
-                        labels.append(int(label))
-                        continue
-                    reason = f"its label is {label}"
-                raise DatasetError(f"{self.rec_path}: record {k} (offset {offset}) cannot be read ({reason}): "
-                                   f"the file is truncated or damaged, or {os.path.basename(self.idx_path)} "
-                                   f"belongs to another file; {self._fix(k)}")
-        return [k for k, _ in index], labels
+                listed[offset] = k
+            label_of, unlisted, pos, last = {}, [], 0, None
+            while pos < size:
+                k = listed.get(pos)
+                try:
+                    head = os.pread(fd, 36, pos)  # the part's header, then its IRHeader: one read a record
+                    magic, length, part = _part_header(head, pos, size)
+                    if magic != RECORD_MAGIC or part not in (0, 1):
+                        raise _BadRecord("no RecordIO record starts there" if magic != RECORD_MAGIC else
+                                         "the middle of a record written in parts starts there")
+                    if part == 0:
+                        head, after = head[8:8 + min(length, 28)], pos + 8 + _pad4(length)
+                    else:
+                        raw, after = read_record(fd, pos, size)
+                        head = raw[:28]
+                    label_of[pos] = self._label(head, length if part == 0 else len(raw), k, pos, num_classes)
+                except _BadRecord as e:
+                    where = f"record {k} (offset {pos})" if k is not None else (
+                        f"offset {pos} (after record {last})" if last is not None else f"offset {pos}")
+                    raise DatasetError(f"{self.rec_path}: {where} cannot be read ({e}): the file is truncated "
+                                       f"or damaged, or {os.path.basename(self.idx_path)} belongs to another "
+                                       f"file; {self._fix(k) if k is not None else REBUILD_REC}") from None
+                if k is None:
+                    unlisted.append(pos)
+                last, pos = (k if k is not None else last), after
+        inside = [(k, o) for k, o in index if o not in label_of]
+        if inside:
+            k, o = inside[0]
+            raise DatasetError(f"{self.idx_path}: record {k} at offset {o} points inside another record, not at "
+                               f"one's start: the index belongs to another file; {self._fix(k)}")
+        if unlisted:
+            raise DatasetError(f"{self.idx_path}: lists {len(index)} of the {len(label_of)} records in "
+                               f"{os.path.basename(self.rec_path)}: {len(unlisted)} left out (the first at offset "
+                               f"{unlisted[0]}); a data set read through it would lose them: "
+                               f"{REBUILD_REC}")
+        return [k for k, _ in index], [o for _, o in index], [label_of[o] for _, o in index]
+
+    def _read_index(self):
+        """[(key, offset)] of the .idx's lines, keys unique."""
+        with open_data(self.idx_path) as fh:
+            try:
+                text = fh.read()
+            except OSError as e:
+                raise unreadable(self.idx_path, e, READ_FIX) from None
+        try:
+            index = [(int(f[0]), int(f[1])) for f in (line.split(b"\t") for line in text.splitlines()
+                                                     if line.strip())]
+        except (ValueError, IndexError):
+            raise DatasetError(f"{self.idx_path}: not a RecordIO index (lines of <record key><tab><offset>): "
+                               f"rebuild it with the .rec (im2rec)") from None
+        seen = set()
+        for k, _ in index:
+            if k in seen:
+                raise DatasetError(f"{self.idx_path}: record key {k} is listed twice: keys name one record "
+                                   f"each; {REBUILD_REC}")
+            seen.add(k)
+        return index
+
+    def _label(self, head, length, k, offset, num_classes):
+        """The class index in a record's IRHeader (flag, label, id, id2, then `flag` labels when flag > 0:
+        the first is the class); _BadRecord or DatasetError naming the record when it is no class."""
+        if length < 24 or (head[:4] != bytes(4) and length < 28):
+            raise _BadRecord(f"{length} bytes, too short for its header")
+        flag, label = struct.unpack("<If", head[:8])
+        label = struct.unpack("<f", head[24:28])[0] if flag else label
+        limit = num_classes or MAX_CLASSES
+        if math.isfinite(label) and label == int(label) and 0 <= label < limit:
+            return int(label)
+        what = ("not a number" if math.isnan(label) else "not a whole number" if not math.isfinite(label) or
+                label != int(label) else "negative" if label < 0 else
+                f"not below --num-classes {num_classes}" if num_classes else
+                f"past the {MAX_CLASSES:,} classes kdcache takes")
+        where = f"record {k}" if k is not None else f"the record at offset {offset}"
+        shown = int(label) if math.isfinite(label) and label == int(label) else f"{label:g}"
+        raise DatasetError(f"{self.rec_path}: {where}: label {shown} is {what}: a label is a class index, 0 to "
+                           f"the class count - 1; write the record with its class index (im2rec's .lst labels)"
+                           + ("" if not num_classes or label != int(label) or label < 0 else
+                              ", or pass --num-classes to match the labels"))
 
     def _fix(self, k):
         return (f"rebuild {os.path.basename(self.rec_path)} (im2rec), or remove record {k}'s line from "
                 f"{os.path.basename(self.idx_path)}")
 
-    def _record(self, rec, k):
-        """(header, image bytes) of record k; DatasetError naming the .rec file and the record."""
+    def _record(self, fd, i):
+        """(header, image bytes) of the i-th record; DatasetError naming the .rec file and the record."""
         import mxnet as mx
+        k = self.keys[i]
         try:
-            raw = rec.read_idx(k)
-            if raw is None:  # read past the end of the file
-                raise EOFError("the .rec file ends before it")
+            raw, _ = read_record(fd, self.offsets[i], os.fstat(fd).st_size)
             return mx.recordio.unpack(raw)
-        except (mx.base.MXNetError, EOFError, struct.error) as e:
-            reason = _mxnet_reason(e) if isinstance(e, mx.base.MXNetError) else str(e)
+        except (_BadRecord, struct.error, OSError) as e:
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
             raise DatasetError(f"{self.rec_path}: record {k} cannot be read ({reason}): the file is truncated "
                                f"or damaged, or {os.path.basename(self.idx_path)} belongs to another file; "
                                f"{self._fix(k)}") from None
 
     def _decode(self, i, out=None):
-        import mxnet as mx
-        if self._pid != os.getpid():
-            self._rec = mx.recordio.MXIndexedRecordIO(self.idx_path, self.rec_path, "r")
+        if self._pid != os.getpid():  # opened once per process, checked regular (a fork's copy is not shared)
+            self._rec = open_data(self.rec_path)
             self._pid = os.getpid()
+        _, img = self._record(self._rec.fileno(), i)
         k = self.keys[i]
-        _, img = self._record(self._rec, k)
         return self._image(img, f"{self.rec_path}: record {k}", self._fix(k), out=out)
 
 
+REBUILD_REC = "rebuild the .rec and its .idx together (im2rec, or MXIndexedRecordIO)"
+
+
+IMAGE_EXTS = (".jpg", ".jpeg", ".png")  # the names gluon's ImageFolderDataset takes for images
+SPLITS = ("train", "test")
+log = logging.getLogger("kdcache.pipeline")
+
+
+def list_class_folders(root):
+    """(classes, items) of root/<class>/<image>, as gluon's ImageFolderDataset lists them: classes are
+    the sorted sub-folders (links to folders too), a class's label its place in that list, items
+    (path, label) its files named .jpg, .jpeg or .png in sorted order. Nothing is opened but folders;
+    other names are left out (said in one line)."""
+    classes, items, other = [], [], []
+    for name in sorted(_listdir(root)):
+        path = os.path.join(root, name)
+        if not os.path.isdir(path):
+            other.append(name)
+            continue
+        label = len(classes)
+        classes.append(name)
+        for fn in sorted(_listdir(path)):
+            if os.path.splitext(fn)[1].lower() in IMAGE_EXTS:
+                items.append((os.path.join(path, fn), label))
+            else:
+                other.append(os.path.join(name, fn))
+    if other:
+        log.info("%s: %d entr%s not read as images (only class folders of %s files are): %s", root, len(other),
+                 "y" if len(other) == 1 else "ies", "/".join(IMAGE_EXTS), ", ".join(other[:5])
+                 + (" ..." if len(other) > 5 else ""))
+    return classes, items
+
+
+def _listdir(path):
+    try:
+        return os.listdir(path)
+    except OSError as e:
+        raise unreadable(path, e, FOLDER_READ_FIX) from None
+
+
+def _check_classes(here, split, classes, items):
+    """Refuse a training class folder without images (the student would be given a class it is never
+    shown); a test class folder without images is said in one line (that class is not evaluated)."""
+    empty = sorted(set(classes) - {classes[lab] for _, lab in items})
+    if empty and split == "train":
+        more = f" (and {len(empty) - 1} more: {', '.join(empty[1:4])}{' ...' if len(empty) > 4 else ''})" \
+            if len(empty) > 1 else ""
+        raise DatasetError(f"{os.path.join(here, empty[0])}: a class folder with no images "
+                           f"({', '.join(IMAGE_EXTS)}){more}: the student would be given a class it is never "
+                           f"shown; put its images in it, or remove that class from train/ and test/")
+    if empty:
+        log.warning("%s: class folder%s %s hold%s no images: %s not evaluated", here, "s" if len(empty) > 1 else "",
+                    ", ".join(empty), "" if len(empty) > 1 else "s", "those classes are" if len(empty) > 1
+                    else "that class is")
+
+
+def _compare_splits(base, split, classes):
+    """Refuse a split whose class folders are not the other split's: a label is the class folder's
+    place in the sorted list, so one extra folder shifts every label after it. `base` holds train/
+    and test/."""
+    other = SPLITS[1 - SPLITS.index(split)]
+    there = os.path.join(base, other)
+    if not os.path.isdir(there):
+        return
+    theirs = [n for n in sorted(_listdir(there)) if os.path.isdir(os.path.join(there, n))]
+    if theirs == classes:
+        return
+    mine = {"train": classes, "test": theirs} if split == "train" else {"train": theirs, "test": classes}
+    extra = [f"{s}/ has {_names(sorted(set(mine[s]) - set(mine[t])))} (not in {t}/)"
+             for s, t in (("train", "test"), ("test", "train")) if set(mine[s]) - set(mine[t])]
+    raise DatasetError(f"{base}: train/ and test/ hold different class folders: {'; '.join(extra)}; a label is "
+                       f"the class folder's place in the sorted list, so the splits' labels would not agree: "
+                       f"give train/ and test/ the same class folders (an empty one is allowed in test/)")
+
+
+def _names(names, shown=5):
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
+
+
 class ImageFolderDataset(DecodedDataset):
-    """root/<class name>/<image>, classes in sorted order (gluon's ImageFolderDataset)."""
+    """root/<class name>/<image>, classes in sorted order (gluon's ImageFolderDataset). With train/ and
+    test/ under root, both splits must hold the same class folders (checked whichever is loaded): the
+    class list, recorded in the identity, is then the same for both. Every image must be a regular
+    file or a link to one (NOTE [a user's data files are regular files])."""
 
     def __init__(self, root, split="train", size=None):
-        from mxnet.gluon.data.vision import ImageFolderDataset as _IFD
+        base = root
         if os.path.isdir(os.path.join(root, split)):
             root = os.path.join(root, split)
         elif split == "test" or os.path.isdir(os.path.join(root, "test")):
@@ -324,16 +515,26 @@ class ImageFolderDataset(DecodedDataset):
                                f"root/train/<class>/... and root/test/<class>/...")
         if not os.path.isdir(root):
             raise DatasetError(f"--data-root {root!r} is not a directory of class folders")
-        self._folder = _IFD(root)
-        if len(self._folder) == 0:
+        classes, items = list_class_folders(root)
+        if not items:
             raise DatasetError(f"{root}: no images found in class sub-folders (root/<class>/<image>.jpg)")
-        items = self._folder.items
+        _check_classes(root, split, classes, items)
+        if root != base:
+            _compare_splits(base, split, classes)
+        self.items, self.classes = items, classes
         # Every byte of every image: a size limit here once let an image changed in place keep its digest.
+        # Each is stat()ed first: a FIFO, a device, a dangling link is refused before anything is read.
         digest = files_digest([(p, f"{os.path.relpath(p, root)}\0{lab}") for p, lab in items],
                               desc=f"digest of {root}", fix=FOLDER_READ_FIX)
-        super().__init__("imagefolder", split, len(items), [lab for _, lab in items], len(self._folder.synsets),
-                         size, {"digest": digest, "classes": list(self._folder.synsets)})
+        super().__init__("imagefolder", split, len(items), [lab for _, lab in items], len(classes),
+                         size, {"digest": digest, "classes": list(classes)})
 
     def _decode(self, i, out=None):
-        path = self._folder.items[i][0]
-        return self._image(read_file(path, FOLDER_READ_FIX), path, FOLDER_FIX, path=path, out=out)
+        path = self.items[i][0]
+        with open_data(path, FOLDER_READ_FIX) as fh:
+            try:
+                buf = fh.read()
+            except OSError as e:
+                raise unreadable(path, e, FOLDER_READ_FIX) from None
+            fh.seek(0)
+            return self._image(buf, path, FOLDER_FIX, path=_opened_path(fh), out=out)

@@ -1,4 +1,5 @@
 """Fingerprints: a short digest of the stated inputs a cache was built from (never of live objects)."""
+import contextlib
 import hashlib
 import json
 import os
@@ -34,10 +35,11 @@ def fingerprint(inputs):
 
 
 def file_digest(path, chunk=1 << 20, progress=None):
-    """sha256 of a file's bytes (for teacher checkpoints and data files), read in blocks;
-    `progress(n)`, when given, is told the size of each block."""
+    """sha256 of a file's bytes (for teacher checkpoints and data files), read in blocks; `path` may
+    be a binary file already open (read from where it stands, not closed). `progress(n)`, when given,
+    is told the size of each block."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with contextlib.nullcontext(path) if hasattr(path, "read") else open(path, "rb") as f:
         while True:
             b = f.read(chunk)
             if not b:

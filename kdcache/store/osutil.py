@@ -135,11 +135,12 @@ _NOT_OURS = (errno.ELOOP, errno.EACCES, errno.EPERM, errno.ENXIO, errno.ENODEV, 
              errno.EOPNOTSUPP)
 
 
-def open_regular(path, *, mine=False, flags=0):
+def open_regular(path, *, mine=False, flags=0, follow=False):
     """(fd, fstat) of a regular file, opened without following a link and without blocking (a FIFO
-    opens at once, then is refused); NotOurs for anything else, FileNotFoundError when absent."""
+    opens at once, then is refused); NotOurs for anything else, FileNotFoundError when absent.
+    `follow`: a symbolic link is followed (a user's data files), its target held to the same rules."""
     try:
-        fd = os.open(path, _READ | flags, 0o644)
+        fd = os.open(path, (_READ & ~os.O_NOFOLLOW if follow else _READ) | flags, 0o644)
     except OSError as e:  # ELOOP: a symbolic link; EACCES, EPERM: not ours to read; ENXIO: a socket
         if e.errno not in _NOT_OURS:
             raise  # absent, or the file system's own error (read-only, full, I/O): the caller says what to do

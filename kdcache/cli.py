@@ -34,12 +34,14 @@ def teacher_verify(rest):
 def usage():
     from kdcache import __version__
     width = max(map(len, COMMANDS))
-    lines = ["usage: kdcache COMMAND [options]   (kdcache COMMAND --help for a command's options)", "",
+    lines = ["usage: kdcache [--trust-others] COMMAND [options]   (kdcache COMMAND --help for a command's options)", "",
              f"kdcache {__version__}: knowledge distillation from a cached teacher. Commands:", ""]
     lines += [f"  {name.ljust(width)}  {what}" for name, (_, what) in COMMANDS.items()]
     lines += ["", "The same jobs run as python -m kdcache.cache_builder, python -m kdcache.trainer,",
               "python -m kdcache.trainer.launch, python -m kdcache.trainer.make_teacher and python -m kdcache.store;",
-              "the Makefile's targets call this command."]
+              "the Makefile's targets call this command.", "",
+              "--trust-others: read caches that other users own or can write (refused otherwise: their checksums",
+              "catch damage, not a planted file); the same as KDCACHE_TRUST_OTHERS=1."]
     return "\n".join(lines)
 
 
@@ -73,6 +75,11 @@ def command(argv, signals):
         from kdcache import __version__
         print(f"kdcache {__version__}")
         return 0
+    if argv[0] == "--trust-others":  # NOTE [files other users can write] (kdcache.store.osutil)
+        import os
+        from kdcache.store.osutil import TRUST_ENV
+        os.environ[TRUST_ENV] = "1"  # for this process and every one it starts
+        return command(argv[1:], signals)
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
         print(f"kdcache: error: unknown command {name!r}: use one of {', '.join(COMMANDS)} "

@@ -194,8 +194,9 @@ def test_a_file_of_a_sealed_format_without_its_seal_is_refused(tmp_path):
 
 def test_an_unsealed_file_is_read_in_a_child_first_and_a_hang_there_is_one_line(tmp_path, monkeypatch):
     """A file written before seals is read by a child process first. In such a file, one flipped bit of
-    the global heap's signature makes HDF5 loop forever, signals ignored (seen with h5py 3.16's HDF5):
-    the child is killed at the time limit and the file is DamagedFileError; this process goes on."""
+    the global heap's collection size makes HDF5 loop forever (seen with h5py 3.16's HDF5: bits 1-4 of the
+    heap's 10th byte): the child is killed at the time limit, the file is DamagedFileError, and this
+    process goes on."""
     p, spec = finished(tmp_path / "c", "full", "float16")
     fin = p + ".h5"
     as_format_1(fin)
@@ -205,7 +206,7 @@ def test_an_unsealed_file_is_read_in_a_child_first_and_a_hang_there_is_one_line(
     assert probe._seen, "the child's verdict is kept for the life of the process"
     heap = open(fin, "rb").read().find(b"GCOL")
     assert heap > 0, "the text attributes of an unsealed file sit in HDF5's global heap"
-    flip(fin, heap, 0)
+    flip(fin, heap + 9, 1)
     monkeypatch.setattr(probe, "LIMIT_S", 5.0)
     t0 = time.monotonic()
     with pytest.raises(DamagedFileError, match="did not finish reading"):

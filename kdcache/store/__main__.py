@@ -91,7 +91,7 @@ def cmd_inspect(args):
     base = _existing(args.path)
     fin, parts = registry.final_path(base), registry.parts_path(base)
     entry = registry.info(base)
-    if entry["state"] in ("damaged", registry.NEWER, registry.NOT_A_CACHE):
+    if entry["state"] in ("damaged", registry.NEWER, registry.NOT_A_CACHE, registry.NOT_TRUSTED):
         raise StoreError(f"{entry['path']}: {entry['error']}" if entry["path"] not in entry["error"]
                          else entry["error"])
     if os.path.exists(fin):

@@ -111,6 +111,58 @@ def _refuse(path, st, mine):
     return None
 
 
+# NOTE [files other users can write]
+# A cache's checksums and seal catch damage, not a file someone planted: whoever can write a cache file
+# (or the folder that holds it, which lets them replace it) can give a reader any targets, sealed and
+# checksummed. So a cache file, segment or manifest is read only when this user or root owns it and
+# no one else can write it, and its folder is this user's or root's and writable by no one else (or
+# sticky, as /tmp: there others cannot replace what is ours). Anything else is refused in one line,
+# as the rings refuse another user's ring -- unless the user declares that they trust the others who
+# can write there: `kdcache --trust-others ...`, or KDCACHE_TRUST_OTHERS=1 in the environment (which
+# the command line option sets for the processes it starts).
+TRUST_ENV = "KDCACHE_TRUST_OTHERS"
+_WRITABLE_BY_OTHERS = stat.S_IWGRP | stat.S_IWOTH
+
+
+class NotTrusted(StoreError):
+    """A cache file, or its folder, that another user owns or can write (NOTE [files other users can write])."""
+
+
+def trusting_others():
+    return os.environ.get(TRUST_ENV, "") not in ("", "0")
+
+
+def _untrusted(st, *, folder):
+    """Why a file or folder with stat result `st` lets another user change what a reader reads, or None. In a
+    sticky folder (mode 1777, as /tmp) others cannot replace a file that is not theirs: the file's own check decides."""
+    if st.st_uid not in (os.geteuid(), 0):
+        return f"owned by uid {st.st_uid}"
+    if st.st_mode & _WRITABLE_BY_OTHERS and not (folder and st.st_mode & stat.S_ISVTX):
+        return (f"writable by {'others' if st.st_mode & stat.S_IWOTH else 'its group'} "
+                f"(mode {stat.S_IMODE(st.st_mode):04o})")
+    return None
+
+
+def check_trusted(path, st):
+    """NotTrusted unless the file at `path` (its fstat or lstat `st`) and its folder can be written only by
+    this user (or root); nothing when the user trusts the others (NOTE [files other users can write])."""
+    if trusting_others():
+        return
+    why, where = _untrusted(st, folder=False), path
+    if why is None:
+        where = os.path.dirname(os.path.abspath(path))
+        try:
+            why = _untrusted(os.stat(where), folder=True)  # the folder itself, through any link to it
+        except OSError:
+            why = None
+    if why:
+        real = os.path.realpath(where)
+        where = where if real == os.path.abspath(where) else f"{where} (a link to {real})"
+        raise NotTrusted(f"{where} is {why}: a cache another user can write is not trusted (its checksums catch "
+                         f"damage, not a planted file); use a cache directory of your own (--cache-dir), or, if you "
+                         f"trust everyone who can write there, run kdcache --trust-others (or set {TRUST_ENV}=1)")
+
+
 def regular(path, *, mine=False):
     """lstat of `path` when it is a regular file (of this uid, with `mine`); NotOurs otherwise.
     For names handed to a library that opens them itself (h5py): a FIFO would block it."""
@@ -156,11 +208,14 @@ def open_regular(path, *, mine=False, flags=0, follow=False):
     return fd, st
 
 
-def read_regular(path, limit, *, mine=False):
+def read_regular(path, limit, *, mine=False, trusted=False):
     """The bytes of a regular file of at most `limit` bytes (open_regular's rules); NotOurs when
-    larger: nothing is allocated from what a file claims before its size is known."""
+    larger: nothing is allocated from what a file claims before its size is known. `trusted`: NotTrusted
+    for a file another user can write (check_trusted)."""
     fd, st = open_regular(path, mine=mine)
     try:
+        if trusted:
+            check_trusted(path, st)
         if st.st_size > limit:
             raise NotOurs(path, f"{st.st_size:,} bytes, more than the {limit:,} kdcache writes there")
         chunks, left = [], limit + 1

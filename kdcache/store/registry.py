@@ -6,7 +6,7 @@ from . import schema, seal
 from .errors import DamagedFileError, NewerFormatError, NoSpaceError, StoreError
 from .fingerprint import is_fingerprint
 from .housekeeping import final_spec, last_write, locked, parts_spec, remove_stale, settle, stale_files
-from .osutil import NotOurs, listdir, own, read_regular, regular, skipped
+from .osutil import NotOurs, NotTrusted, listdir, own, read_regular, regular, skipped
 from .paths import (DEFAULT_DIR, ENV_DIR, OWN_PART, base_path, discard, exists, final_path, foreign_files,  # noqa: F401
                     parts_path, path_for, resolve_cache_dir)
 from .segment import count_done, lock_holders, open_final
@@ -14,6 +14,7 @@ from .verify import verify  # noqa: F401 (python -m kdcache.store verify)
 
 NOT_A_CACHE = "not a cache"
 NEWER = "newer format"  # written by a newer kdcache: listed, never removed by this one
+NOT_TRUSTED = "not trusted"  # another user can write it (osutil.check_trusted): listed, never read or removed
 
 def touch_used(path):
     """Record 'last used' as the finished file's access time (explicitly set, whatever the mount)."""
@@ -124,6 +125,8 @@ def _not_ours(base):
         except DamagedFileError as e:
             if kind == "sealed" or e.ours:
                 return None  # kdcache's own, damaged: info says so and gc removes it
+        except NotTrusted:
+            return None  # info says so; never removed
             return "an HDF5 file that cannot be opened (remove it by hand if it is a damaged cache)"
         except (StoreError, OSError):
             return "an HDF5 file that cannot be opened (remove it by hand if it is a damaged cache)"
@@ -197,7 +200,8 @@ def _info(base, fin, parts, name, tidy, held, st0):
             when = os.stat(where).st_mtime
         except OSError:
             when = None
-        out.update(state=NEWER if isinstance(e, NewerFormatError) else "damaged",
+        out.update(state=NEWER if isinstance(e, NewerFormatError) else NOT_TRUSTED if isinstance(e, NotTrusted)
+                   else "damaged",
                    error=str(e).splitlines()[0] if str(e) else type(e).__name__,
                    size=_size(fin) + _size(parts), done=0.0, last_used=when)
         return out

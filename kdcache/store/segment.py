@@ -13,7 +13,7 @@ import numpy as np
 
 from . import probe, schema, seal
 from .errors import CacheChangedError, CacheNotFoundError, DamagedFileError, UnsupportedFormatError
-from .osutil import NotOurs, is_ours, listdir, open_regular, read_regular, regular, skipped
+from .osutil import NotOurs, check_trusted, is_ours, listdir, open_regular, read_regular, regular, skipped
 from .validate import check_committed, check_keys, check_segment, read_meta  # noqa: F401 (read_meta: re-exported)
 
 HOST = socket.gethostname()
@@ -105,7 +105,9 @@ def open_swmr(path, retry_s=5.0):
 def _check_regular(path, what):
     """h5py opens by name: a FIFO would block it, a link lead it anywhere. Refused in one line."""
     try:
-        regular(path)
+        st = regular(path)
+        if what == "segment":
+            check_trusted(path, st)  # NOTE [files other users can write]
     except NotOurs as e:
         raise UnsupportedFormatError(f"{path} is {e.why}, not a kdcache {what}: move it out of the cache "
                                      f"directory") from None
@@ -126,6 +128,7 @@ def open_final(path):
         raise CacheNotFoundError(f"{path}: no such cache file (removed or compacted meanwhile): run the "
                                  f"command again") from None
     try:
+        check_trusted(path, st)  # NOTE [files other users can write]
         record = seal.check(fd, path)
         if record is None and not probe.in_child():
             probe.check(path, st)
@@ -251,7 +254,7 @@ def scan_done(parts_dir, spec):
 def read_manifest(parts_dir):
     path = os.path.join(parts_dir, schema.MANIFEST)
     try:
-        meta = json.loads(read_regular(path, MANIFEST_LIMIT).decode("utf-8"))
+        meta = json.loads(read_regular(path, MANIFEST_LIMIT, trusted=True).decode("utf-8"))
     except FileNotFoundError:
         return None
     except (OSError, ValueError, RecursionError) as e:

@@ -82,11 +82,11 @@ test: setup  ## run every test (slow ones included), as CI does
 test-fast: setup  ## run the tests not marked slow
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS) tests
 
-torture: setup  ## the long fault runs: 20 kills of the producer, a 60 s soak, 400 threaded reads, 100+ signals at start-up, hostile .parts entries, 8,000 flipped bits, 12 trainer kills, every fault test
+torture: setup  ## the long fault runs: 20 kills of the producer, a 60 s soak, 400 threaded reads, 100+ signals at start-up, hostile .parts entries, 8,000 flipped bits in rows, every bit of every codec's metadata and 10,000 through every tool, 12 trainer kills, every fault test
 	KDCACHE_TORTURE=1 $(PY) -m pytest -q $(PYTEST_ARGS) tests/test_faults.py tests/test_store_mp.py \
 		tests/test_compact_crash.py tests/test_store_trust.py tests/test_ring_trust.py tests/test_identity.py \
 		tests/test_reader_threads.py tests/test_signals.py tests/test_cache_dir_entries.py tests/test_nonfinite.py \
-		tests/test_compact_nospace.py tests/test_checksums.py tests/test_recipe.py
+		tests/test_compact_nospace.py tests/test_checksums.py tests/test_recipe.py tests/test_seal.py tests/test_trust_others.py
 
 bench: setup $(CODEC_TEACHERS)  ## every benchmark side by side: KD scenarios, demand-driven producing, store, reading at scale, producer, ImageNet sizing, codecs (QUICK=1: short runs)
 	$(PY) -m bench.kd $(if $(QUICK),--quick)

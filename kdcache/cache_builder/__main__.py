@@ -139,11 +139,8 @@ def main(argv=None, prog="python -m kdcache.cache_builder"):
     except (StoreError, DatasetError, TeacherError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         if isinstance(e, StoreError):
-            # After a failed write (full disk) HDF5's own clean-up at interpreter exit can crash;
-            # every committed row is on disk already, so leave without it.
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(2)
+            from kdcache.store.osutil import exit_at_once
+            exit_at_once(2)  # HDF5's clean-up after a failed write (a full disk) can crash at exit
         return 2
     except KeyboardInterrupt as e:
         print(f"{stop_word(e)}: every row written so far is kept; run the same command again to resume",

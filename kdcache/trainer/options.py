@@ -7,7 +7,7 @@ import os
 import re
 from typing import NamedTuple
 
-from kdcache.args import Allowed, Dir, Float, Int, Name, Option, Parser, add_options, fail
+from kdcache.args import Allowed, Dir, Float, Int, Name, Option, Parser, Temperature, add_options, fail
 from kdcache.pipeline.options import SHARED, check_applies, check_views, resolve_teacher
 
 DESCRIPTION = """\
@@ -153,7 +153,7 @@ TRAINER = [
            group="student"),
     Option("--teacher-mode", "cache: targets from the store; inline: the teacher in the loop; none: hard labels",
            choices=("cache", "inline", "none"), default="cache", group="distillation", make="TEACHER_MODE"),
-    Option("--temperature", "KD temperature (as GluonCV)", type=Float(0, 1000, gt=True), default=20.0,
+    Option("--temperature", "KD temperature (as GluonCV)", type=Temperature(), default=20.0,
            metavar="T", group="distillation", make="T", short="-T"),
     Option("--alpha", "weight of the soft term; 1 - alpha weighs the hard labels (0.5 = GluonCV's)",
            type=Float(0, 1), default=0.5, metavar="A", group="distillation", make="ALPHA"),

@@ -418,7 +418,7 @@ def run_ring(args, log, topt, dataset, augment, spec, result, timeline):
                  "creates it here instead)", args.ring, timeout)
     ring = RingWriter(args.ring, create=create, capacity=args.ring_capacity, num_classes=spec.num_classes,
                       codec=spec.codec, dtype=spec.dtype, timeout=timeout,
-                      fingerprint=spec.fingerprint)
+                      fingerprint=spec.fingerprint, seed=args.seed)
     log.info("%s ring %s (%d rows): streaming %d epoch(s) of the schedule", "created" if create else "attached to",
              ring.name, ring.capacity, args.epochs)
     ok = False

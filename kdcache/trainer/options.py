@@ -240,6 +240,23 @@ def parse_args(argv=None, prog="python -m kdcache.trainer", launched=False):
     return args
 
 
+def sampled_warning(codec, temperature, *, member=None):
+    """The one line a run prints when it distils from a `sampled:K` codec at a temperature other than 1, or
+    None. Its rows are an unbiased estimate of the teacher's distribution at T = 1 (docs/codecs.md); at
+    another T the student learns the estimate tempered, which is neither unbiased nor the teacher at T.
+    `member`: (cache, its own T) of an ensemble member, whose own T tempers it first."""
+    codec, t = str(codec or ""), float(temperature)
+    mt = float(member[1]) if member else 1.0
+    if not codec.startswith("sampled:") or (t == 1.0 and mt == 1.0):
+        return None
+    what = f"ensemble member {member[0]} (codec {codec})" if member else f"codec {codec}"
+    at = f"--temperature {t:g}" if mt == 1.0 else f"its own T {mt:g} and --temperature {t:g}"
+    fix = " and ".join(([] if t == 1.0 else ["pass -T 1"]) + ([] if mt == 1.0 else ["give the member T 1 (CACHE:W:1)"]))
+    return (f"warning: {what} holds an unbiased estimate of the teacher's distribution at T = 1; at {at} the "
+            f"student learns that estimate tempered (count^(1/T), renormalised), which is neither unbiased nor the "
+            f"teacher at that temperature: {fix} for the estimate the codec is made for (docs/codecs.md)")
+
+
 def recorded(args):
     """The options as a checkpoint records them (JSON): a value parsed into an object (--augment's
     Augment, --ctx's Devices) as its command-line word."""

@@ -72,6 +72,8 @@ def test_weights_are_taken_iff_their_combination_is_sound(members, weights):
         assert "\n" not in str(e.value) and "weight" in str(e.value)
         return
     assert [m.weight for m in got] == list(weights), got
+    from kdcache.trainer.options import Ensemble
+    assert parse_members(Ensemble().format(got)) == got  # a run records the weights it used, exactly
     keys = np.arange(0, N, 37)
     with EnsembleReader(text) as ens:
         w = np.asarray(ens.weights)

@@ -13,6 +13,9 @@ the teacher writes. What a conversion would have to invent is refused in one lin
 * anything from a codec other than full, int8 and topk (which holds what, kdcache cannot tell).
 `topk:K` from `int8` is allowed: the K largest of its decoded logits, named as such by the identity.
 
+The converted cache's identity is the source's inputs plus `converted_from` (the source's fingerprint,
+codec, codec version and dtype) and its own codec: it never answers for a cache built from the teacher.
+
 NOTE [a full disk, converting]
 Before the first byte, the space the whole conversion writes (the segments of the rows still to
 write, then the cache file and any spill file compaction writes beside them) is allocated in the
@@ -22,8 +25,6 @@ that full disk inside a write, after which h5py's clean-up can crash the process
 fill up during the conversion all the same (another process writing), the conversion's own output
 (the target's segments) is removed, as a failed conversion's rows are cheap to write again, and the
 command line leaves at once (osutil.exit_at_once) after its one line.
-The converted cache's identity is the source's inputs plus `converted_from` (the source's fingerprint,
-codec, codec version and dtype) and its own codec: it never answers for a cache built from the teacher.
 """
 import json
 import os

@@ -48,10 +48,16 @@ class Member(NamedTuple):
     def __str__(self):
         out = self.cache
         if self.weight != 1.0 or self.temperature != 1.0:
-            out += f":{self.weight:g}"
+            out += f":{_exact(self.weight)}"
         if self.temperature != 1.0:
-            out += f":{self.temperature:g}"
+            out += f":{_exact(self.temperature)}"
         return out
+
+
+def _exact(x):
+    """A number as a word that parses back to it exactly (2 as "2", 1.0000000000000002 in full)."""
+    short = f"{x:g}"
+    return short if float(short) == x else repr(float(x))
 
 
 def _weight(value, item):

@@ -7,6 +7,11 @@ STAMP  := $(VENV)/.installed
 # Options passed to the tools when set. Empty means the tool's own default: every option the
 # producer and the trainer share is declared once, with its default, in pipeline/options.py
 # (`kdcache options` prints them), so nothing here restates a default.
+# NOTE [values reach the tools as they are]: a value is never text of a command line. Each variable
+# holds exactly what was typed (`$(value)`: make expands nothing in it) and is exported; a recipe
+# names it as "$$VAR", which the shell neither splits nor runs, so the tool receives it as one
+# argument whatever it holds (spaces, quotes, ';', '$', backquotes, new lines). `make -n` shows
+# these references, not the values.
 DATASET    ?=
 DATA_ROOT  ?=
 TEACHER    ?=
@@ -33,20 +38,24 @@ KDCACHE := $(VENV)/bin/kdcache
 # TEMPERATURE=4` would otherwise train at the default temperature without a word.
 VARIABLES := PYTHON DATASET DATA_ROOT TEACHER CACHE_DIR VIEWS AUGMENT CODEC SEED EPOCHS BATCH_SIZE THREADS \
 	SHARDS STUDENT T ALPHA RUN TEACHER_MODE WORKERS PYTEST_ARGS QUICK CACHE
-UNKNOWN_VARIABLES := $(filter-out $(VARIABLES),$(foreach a,$(MAKEOVERRIDES),$(firstword $(subst =, ,$(subst :=,=,$(subst +=,=,$(a)))))))
+UNKNOWN_VARIABLES := $(filter-out $(VARIABLES),$(foreach v,$(.VARIABLES),$(if $(filter command line,$(origin $(v))),$(v))))
 ifneq ($(strip $(UNKNOWN_VARIABLES)),)
 $(error $(UNKNOWN_VARIABLES): no such variable; use one of $(VARIABLES) (`make options` lists the options they set))
 endif
+$(foreach v,$(VARIABLES),$(eval override $(v) := $$(value $(v))))
+export $(VARIABLES)
 # The data sets with a default teacher, teachers/NAME (pipeline.options.DEFAULT_TEACHERS): the trainer and
 # the producer fall back on it when no TEACHER is given, and `make teacher` builds it.
 TEACHER_DATASETS := digits mnist5k
-DEFAULT_TEACHER = teachers/$(or $(DATASET),digits)
+DEFAULT_DATASET = $(if $(DATASET),$(if $(filter 1,$(words $(DATASET))),$(DATASET),-),digits)
+DEFAULT_TEACHER = teachers/$(DEFAULT_DATASET)
 
 # bench.codecs distils from the default teachers of digits and mnist5k: built here when missing.
 CODEC_TEACHERS = $(TEACHER_DATASETS:%=teachers/%-symbol.json)
 
-# opt(VARIABLE, FLAG): the flag and the variable's value when the variable is set.
-opt = $(if $($(1)),$(2) $($(1)))
+# opt(VARIABLE, FLAG): FLAG=VALUE as one argument when the variable is set, nothing when it is empty
+# (NOTE [values reach the tools as they are]).
+opt = $${$(1):+$(2)="$$$(1)"}
 # The options both sides share (pipeline.options.SHARED): the producer and the trainer derive the
 # same cache and the same schedule from them.
 SHARED_OPTS = $(call opt,TEACHER,--teacher) $(call opt,DATASET,--dataset) $(call opt,DATA_ROOT,--data-root) \
@@ -56,7 +65,7 @@ PRODUCER_OPTS = $(SHARED_OPTS) $(call opt,THREADS,--threads) $(call opt,SHARDS,-
 TRAINER_OPTS = $(SHARED_OPTS) $(call opt,STUDENT,--student) $(call opt,TEACHER_MODE,--teacher-mode) \
 	$(call opt,T,--temperature) $(call opt,ALPHA,--alpha) $(call opt,RUN,--run)
 # The data set's default teacher is built when a target needs it (no TEACHER given) and it is missing.
-DEFAULT_TEACHER_FILE = $(if $(filter $(or $(DATASET),digits),$(TEACHER_DATASETS)),$(DEFAULT_TEACHER)-symbol.json)
+DEFAULT_TEACHER_FILE = $(if $(filter $(TEACHER_DATASETS),$(DEFAULT_DATASET)),$(DEFAULT_TEACHER)-symbol.json)
 TEACHER_DEP = $(if $(TEACHER),,$(DEFAULT_TEACHER_FILE))
 
 export PYTHONDONTWRITEBYTECODE := 1
@@ -71,19 +80,23 @@ setup: $(STAMP)  ## create .venv and install kdcache into it (editable) with its
 # The project is installed into .venv (editable): the `kdcache` command and the packages work from
 # any directory, with no PYTHONPATH. Dependencies are pinned in pyproject.toml.
 $(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	test -x $(PY) || "$$PYTHON" -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,bench]' numpy==1.23.5
 	$(PY) -c "import mxnet, numpy, h5py; assert numpy.__version__ == '1.23.5', numpy.__version__"
 	touch $(STAMP)
 
+# PYTEST_ARGS reaches pytest through PYTEST_ADDOPTS, which pytest splits as a shell would (quotes
+# group words) without running anything.
+PYTEST = PYTEST_ADDOPTS="$${PYTEST_ADDOPTS:-} $$PYTEST_ARGS" $(PY) -m pytest -q
+
 test: setup  ## run every test (slow ones included), as CI does
-	$(PY) -m pytest -q $(PYTEST_ARGS) tests
+	$(PYTEST) tests
 
 test-fast: setup  ## run the tests not marked slow
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS) tests
+	$(PYTEST) -m "not slow" tests
 
 torture: setup  ## the long fault runs: 20 kills of the producer, a 60 s soak, 400 threaded reads, 100+ signals at start-up, hostile .parts entries, 8,000 flipped bits in rows, every bit of every codec's metadata and 10,000 through every tool, 12 trainer kills, every fault test
-	KDCACHE_TORTURE=1 $(PY) -m pytest -q $(PYTEST_ARGS) tests/test_faults.py tests/test_store_mp.py \
+	KDCACHE_TORTURE=1 $(PYTEST) tests/test_faults.py tests/test_store_mp.py \
 		tests/test_compact_crash.py tests/test_store_trust.py tests/test_ring_trust.py tests/test_identity.py \
 		tests/test_reader_threads.py tests/test_signals.py tests/test_cache_dir_entries.py tests/test_nonfinite.py \
 		tests/test_compact_nospace.py tests/test_checksums.py tests/test_recipe.py tests/test_seal.py tests/test_trust_others.py
@@ -153,8 +166,8 @@ caches: setup  ## list the caches in the cache directory (CACHE_DIR=...)
 	$(KDCACHE) ls $(call opt,CACHE_DIR,--cache-dir)
 
 verify: setup  ## check the cache CACHE=PATH (store checks); with TEACHER=PREFIX, its logits against the teacher too
-	$(KDCACHE) verify $(or $(CACHE),$(error make verify needs CACHE=PATH: `make caches` lists them)) \
-		$(call opt,TEACHER,--teacher)
+	$(if $(CACHE),,$(error make verify needs CACHE=PATH: `make caches` lists them))
+	$(KDCACHE) verify $(call opt,TEACHER,--teacher) -- "$$CACHE"
 
 options: setup  ## the options the producer and the trainer share, with their defaults and Make variables
 	$(KDCACHE) options

@@ -97,6 +97,37 @@ class Float(Allowed):
     format = staticmethod(repr)
 
 
+class Temperature(Float):
+    """A distillation temperature T from 0.01 to 1000.
+
+    Logits are divided by T, in float32. At T = 0.01 two logits 1 apart already differ by a factor
+    exp(-100), below float32's smallest normal number: the soft target is the teacher's one-hot
+    arg-max, and a smaller T changes nothing but the overflow of logits / T (1e-300 makes every
+    logit infinite) and of the loss's 1 / T^2 scale. At T = 1000 logits 1 apart give probabilities
+    0.1% apart: the target is uniform, and past it float32 loses the differences themselves."""
+
+    LO, HI = 0.01, 1000.0
+
+    def __init__(self):
+        super().__init__(self.LO, self.HI)
+
+    def __call__(self, s):
+        try:
+            v = float(str(s).strip())
+        except ValueError:
+            fail(f"{s!r} is not a number")
+        if math.isfinite(v) and self.LO <= v <= self.HI:
+            return v
+        why = ("is not a finite number" if not math.isfinite(v) else
+               "would leave no soft target (logits / T overflows float32; below 0.01 the target is already "
+               "the teacher's arg-max)" if v < self.LO else
+               "would make every soft target uniform (above 1000 float32 loses the logits' differences)")
+        fail(f"{s} {why}: use a temperature from {self.LO:g} to {self.HI:g}")
+
+    def allowed(self):
+        return f"a number from {self.LO:g} to {self.HI:g}"
+
+
 class Floats(Allowed):
     """Numbers separated by commas, one per channel."""
 

@@ -41,8 +41,8 @@ def test_a_make_variable_that_names_no_option_is_an_error_naming_those_that_exis
     assert r.returncode != 0 and r.stdout == ""
     assert "TEMPERATURE: no such variable; use one of" in r.stderr and " T " in r.stderr and "ALPHA" in r.stderr
     r = make("-n", "train", "T=4", "ALPHA=0.3")
-    assert r.returncode == 0, r.stderr
-    assert "--temperature 4 --alpha 0.3" in " ".join(r.stdout.split())
+    assert r.returncode == 0, r.stderr  # the values reach the tool as they are: tests/test_make.py
+    assert '${T:+--temperature="$T"} ${ALPHA:+--alpha="$ALPHA"}' in r.stdout
 
 
 @pytest.mark.skipif(MAKE is None, reason="no make")

@@ -139,11 +139,8 @@ def main(argv=None, prog="python -m kdcache.cache_builder"):
     except (StoreError, DatasetError, TeacherError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         if isinstance(e, StoreError):
-            # After a failed write (full disk) HDF5's own clean-up at interpreter exit can crash;
-            # every committed row is on disk already, so leave without it.
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(2)
+            from kdcache.store.osutil import exit_at_once
+            exit_at_once(2)  # HDF5's clean-up after a failed write (a full disk) can crash at exit
         return 2
     except KeyboardInterrupt as e:
         print(f"{stop_word(e)}: every row written so far is kept; run the same command again to resume",
@@ -460,7 +457,7 @@ def run_ring(args, log, topt, dataset, augment, spec, result, timeline):
                  "creates it here instead)", args.ring, timeout)
     ring = RingWriter(args.ring, create=create, capacity=args.ring_capacity, num_classes=spec.num_classes,
                       codec=spec.codec, dtype=spec.dtype, timeout=timeout,
-                      fingerprint=spec.fingerprint)
+                      fingerprint=spec.fingerprint, seed=args.seed)
     log.info("%s ring %s (%d rows): streaming %d epoch(s) of the schedule", "created" if create else "attached to",
              ring.name, ring.capacity, args.epochs)
     ok = False

@@ -175,7 +175,7 @@ class RingSink:
         return np.ones(len(indices), dtype=bool)
 
     def write(self, indices, logits, view, epoch, items=None):
-        self.ring.write(indices, np.full(len(indices), epoch, dtype=np.int64), logits)
+        self.ring.write(indices, np.full(len(indices), epoch, dtype=np.int64), logits, views=view)
         return len(indices)
 
     finished = False

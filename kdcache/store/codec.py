@@ -262,8 +262,9 @@ class SampledCodec:
         return sum(int(np.prod(s)) * np.dtype(d).itemsize for _, s, d in self.fields)
 
     def uniforms(self, keys):
-        """[B, K] uniforms in [0, 1) from (the cache's seed, flat key, draw): counter-based, so a row's draws
-        depend on its key alone, not on the batch it was written in."""
+        """[B, K] uniforms in [0, 1) from (the cache's seed, key, draw): counter-based, so a row's draws
+        depend on its key alone, not on the batch it was written in. A cache's key is the row's flat key
+        (one row per (sample, view), drawn once); a ring's is stream_keys(seed, sample, view, epoch)."""
         keys = np.asarray(keys, dtype=np.int64).reshape(-1).astype(np.uint64)
         base = _splitmix64(keys ^ np.uint64(self.seed))
         ctr = base[:, None] + (np.arange(1, self.k + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15))[None, :]
@@ -324,6 +325,18 @@ class SampledCodec:
 
 
 _MASK64 = (1 << 64) - 1
+
+
+def stream_keys(seed, indices, views, epochs):
+    """The draw key of each row a stream (the shared-memory ring) carries: a 64-bit mix of (seed, sample index,
+    view, epoch). A ring holds each epoch's rows anew, so `sampled:K` draws new classes every epoch and for every
+    --seed, and the same (seed, sample, view, epoch) always draws the same (NOTE in SampledCodec.uniforms)."""
+    idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+    k = _splitmix64(np.full(idx.shape, int(seed) & _MASK64, dtype=np.uint64))
+    for part in (idx, np.broadcast_to(np.asarray(views, dtype=np.int64), idx.shape),
+                 np.broadcast_to(np.asarray(epochs, dtype=np.int64), idx.shape)):
+        k = _splitmix64(k ^ part.astype(np.uint64))
+    return k.astype(np.int64)
 
 
 def _splitmix64(z):

@@ -90,7 +90,27 @@ def _spill_table(path, shape, dtype):
         return np.memmap(fh, dtype=dtype, mode="r+", shape=shape)  # the map holds its own descriptor
 
 
-def _reserve(path, size):
+def space_needed(spec, codec, memory_budget=None):
+    """(cache file bytes, spill file bytes): the most compacting a cache of `spec` writes beside its
+    segments: the rows, the done flags, the item records, the seal's user block, metadata and alignment;
+    and, when the rows take more than the memory budget (default: half the free memory), a spill file
+    of the rows."""
+    need = spec.num_keys * codec.bytes_per_row
+    budget = memory_budget if memory_budget is not None else available_memory() // 2
+    records = spec.num_samples * schema.ITEM_DTYPE.itemsize
+    return need + spec.num_keys + records + seal.SEAL_BYTES + (256 << 10), (need if need > budget else 0)
+
+
+def free_space(directory):
+    """How much of the file system at `directory` is free, in words."""
+    try:
+        st = os.statvfs(directory)
+        return f"{st.f_bavail * st.f_frsize:,} bytes are free"
+    except OSError:
+        return "its free space is unknown"
+
+
+def reserve(path, size):
     """Hold `size` bytes of the file system under the temporary name of the cache file until h5py
     creates it: a full disk is found before the segments are read, not after."""
     fd = os.open(path, _CREATE, 0o644)
@@ -156,11 +176,7 @@ def _write_final(tmp, spec, codec, tables, block, items=None):
 
 
 def _no_space(directory, final_bytes, spill_bytes):
-    try:
-        st = os.statvfs(directory)
-        free = f"{st.f_bavail * st.f_frsize:,} bytes are free"
-    except OSError:
-        free = "its free space is unknown"
+    free = free_space(directory)
     what = (f" ({final_bytes:,} for the cache file and {spill_bytes:,} for its spill file while it is written, as "
             f"the cache is larger than half the free memory)" if spill_bytes else "")
     return NoSpaceError(
@@ -204,21 +220,19 @@ def finalize(path, spec, *, memory_budget=None):
         step("locked")
         nk = spec.num_keys
         need = nk * codec.bytes_per_row
-        # the rows, the done flags, the item records, metadata and alignment (at most)
-        final_bytes = need + nk + spec.num_samples * schema.ITEM_DTYPE.itemsize + (256 << 10)
-        budget = memory_budget if memory_budget is not None else available_memory() // 2
+        final_bytes, spill_bytes = space_needed(spec, codec, memory_budget)
         tables, spill, reading = {}, [], False
         block = max(1, (64 << 20) // max(1, codec.bytes_per_row))
         try:
             try:
                 for name, shape, dtype in codec.fields:
-                    if need <= budget:
+                    if not spill_bytes:
                         tables[name] = np.empty((nk,) + tuple(shape), dtype=dtype)
                     else:  # larger than memory: scatter into a page-cached memmap instead
                         p = os.path.join(parts, f".compact-{name}.tmp")
                         spill.append(p)
                         tables[name] = _spill_table(p, (nk,) + tuple(shape), dtype)
-                _reserve(tmp, final_bytes)
+                reserve(tmp, final_bytes)
             except OSError as e:
                 if _is_full(e):
                     raise _Full(e) from None

@@ -12,8 +12,19 @@ the teacher writes. What a conversion would have to invent is refused in one lin
   `topk:K'` with K' > K from `topk:K`, and `full` from `int8` (its codes are 8-bit, not logits);
 * anything from a codec other than full, int8 and topk (which holds what, kdcache cannot tell).
 `topk:K` from `int8` is allowed: the K largest of its decoded logits, named as such by the identity.
+
 The converted cache's identity is the source's inputs plus `converted_from` (the source's fingerprint,
 codec, codec version and dtype) and its own codec: it never answers for a cache built from the teacher.
+
+NOTE [a full disk, converting]
+Before the first byte, the space the whole conversion writes (the segments of the rows still to
+write, then the cache file and any spill file compaction writes beside them) is allocated in the
+target folder and released again (compact.reserve, NOTE [a full disk]): a disk without room for it
+is NoSpaceError, one line naming the bytes needed and free, and nothing is written. HDF5 never meets
+that full disk inside a write, after which h5py's clean-up can crash the process. Should the disk
+fill up during the conversion all the same (another process writing), the conversion's own output
+(the target's segments) is removed, as a failed conversion's rows are cheap to write again, and the
+command line leaves at once (osutil.exit_at_once) after its one line.
 """
 import json
 import os
@@ -22,10 +33,13 @@ import sys
 from kdcache.args import Dir, Parser
 
 from .codec import make_codec
-from .errors import CacheNotFoundError, StoreError
+from .compact import _is_full, free_space, reserve, space_needed
+from .errors import CacheNotFoundError, NoSpaceError, StoreError, WriterBusyError
 from .fingerprint import is_fingerprint
 from .housekeeping import final_spec, settle
-from .paths import base_path, exists, final_path, parts_path, path_for, resolve_cache_dir
+from .osutil import exit_at_once
+from .paths import base_path, compact_tmp, discard, exists, final_path, parts_path, path_for, resolve_cache_dir
+from .segment import count_done, segment_bytes
 from .spec import CacheSpec
 
 BLOCK_BYTES = 64 << 20  # float32 logits decoded per block
@@ -101,16 +115,71 @@ def convert(path, codec, dtype="float16", *, cache_dir=None, memory_budget=None)
               "rows_written": 0, "reused": False}
     v = spec.views
     block = max(1, BLOCK_BYTES // (4 * spec.num_classes))
-    with CacheReader(fin, spec=src_spec) as reader, CacheWriter(out, spec, memory_budget=memory_budget) as w:
-        todo = w.missing()  # all of them, or what a killed conversion left
-        result["reused"] = bool(w.complete)
-        for a in range(0, todo.size, block):
-            keys = todo[a:a + block]
-            rec = reader.items(keys // v)  # the data set's item records travel with the rows (store.items)
-            w.write(keys // v, reader.get(keys // v, keys % v), views=keys % v,
-                    items=rec if known(rec).all() else None)
-        result["rows_written"] = w.rows_written
+    with CacheReader(fin, spec=src_spec) as reader:
+        if not os.path.lexists(final_path(out)):
+            _reserve_space(out, spec, memory_budget)
+        try:
+            with CacheWriter(out, spec, memory_budget=memory_budget) as w:
+                todo = w.missing()  # all of them, or what a killed conversion left
+                result["reused"] = bool(w.complete)
+                for a in range(0, todo.size, block):
+                    keys = todo[a:a + block]
+                    rec = reader.items(keys // v)  # the data set's item records travel with the rows (store.items)
+                    w.write(keys // v, reader.get(keys // v, keys % v), views=keys % v,
+                            items=rec if known(rec).all() else None)
+                result["rows_written"] = w.rows_written
+        except WriterBusyError:
+            raise  # another conversion is writing it: its segments are not ours to remove
+        except StoreError as e:
+            removed = _remove_partial(out)
+            if isinstance(e, NoSpaceError) or _is_full(e):
+                directory = os.path.dirname(out) or "."
+                raise NoSpaceError(f"{directory}: the file system filled up during the conversion ({free_space(directory)} "
+                                   f"now): {'its partial output was removed; ' if removed else ''}free space on that "
+                                   f"file system or pass another --cache-dir, then convert again") from None
+            if removed:
+                e.args = (f"{e}; the conversion's partial output was removed",)
+            raise
     return result
+
+
+def _remove_partial(out):
+    """Remove what a failed conversion wrote (the target's segments); True if something was removed."""
+    if os.path.lexists(final_path(out)):
+        return False
+    try:
+        return discard(parts_path(out))  # only kdcache's own files; NOTE [a full disk, converting]
+    except (OSError, StoreError):
+        return False
+
+
+def _reserve_space(out, spec, memory_budget):
+    """Allocate, then release, what converting into `out` writes (NOTE [a full disk, converting])."""
+    codec = spec.make_codec()
+    parts = parts_path(out)
+    done = count_done(parts, spec) if os.path.isdir(parts) else 0
+    segments = segment_bytes(codec, spec.num_keys - done)
+    final_bytes, spill_bytes = space_needed(spec, codec, memory_budget)
+    total = segments + final_bytes + spill_bytes
+    directory = os.path.dirname(out) or "."
+    tmp = compact_tmp(final_path(out))  # compaction's temporary name: a leftover is removed as compaction's
+    try:
+        os.makedirs(directory, exist_ok=True)
+        reserve(tmp, total)
+    except OSError as e:
+        if not _is_full(e):
+            raise StoreError(f"{directory}: cannot write there ({e.strerror or e}): make it writable or pass "
+                             f"another --cache-dir") from None
+        raise NoSpaceError(f"{directory}: no space left for the converted cache: it needs about {total:,} bytes "
+                           f"there ({segments:,} for its rows while they are written, {final_bytes + spill_bytes:,} "
+                           f"for the cache file compacted from them) and {free_space(directory)}: free space on that "
+                           f"file system or pass another --cache-dir, then convert again; nothing was written"
+                           ) from None
+    finally:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
 
 
 def main(argv=None, prog="python -m kdcache.store.convert"):
@@ -135,7 +204,7 @@ def main(argv=None, prog="python -m kdcache.store.convert"):
         result = convert(args.cache, args.codec, args.dtype, cache_dir=args.cache_dir)
     except StoreError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        exit_at_once(2)  # NOTE [a full disk, converting]
     if args.json:
         print(json.dumps(result))
     else:

@@ -17,9 +17,12 @@ members' fingerprints, weights, temperatures and the rule) is `identity()`, hash
 import json
 import math
 import os
+from fractions import Fraction
 from typing import NamedTuple
 
 import numpy as np
+
+from kdcache.args import Temperature
 
 from .codec import SAMPLED_FLOOR
 from .errors import StoreError
@@ -45,21 +48,56 @@ class Member(NamedTuple):
     def __str__(self):
         out = self.cache
         if self.weight != 1.0 or self.temperature != 1.0:
-            out += f":{self.weight:g}"
+            out += f":{_exact(self.weight)}"
         if self.temperature != 1.0:
-            out += f":{self.temperature:g}"
+            out += f":{_exact(self.temperature)}"
         return out
 
 
-def _positive(text, what, item):
+def _exact(x):
+    """A number as a word that parses back to it exactly (2 as "2", 1.0000000000000002 in full)."""
+    short = f"{x:g}"
+    return short if float(short) == x else repr(float(x))
+
+
+def _weight(value, item):
+    """A member's weight: a finite number > 0 (a string as the command line gives it, or a number)."""
     try:
-        v = float(text)
-    except ValueError:
-        raise StoreError(f"ensemble member {item!r}: {what} {text!r} is not a number: write CACHE[:WEIGHT[:T]], "
+        v = float(value)
+    except (TypeError, ValueError):
+        raise StoreError(f"ensemble member {item}: weight {value!r} is not a number: write CACHE[:WEIGHT[:T]], "
                          f"e.g. caches/ab12:2") from None
-    if not (math.isfinite(v) and v > 0):
-        raise StoreError(f"ensemble member {item!r}: {what} must be a positive number, not {text}")
+    if isinstance(value, bool) or not (math.isfinite(v) and v > 0):
+        raise StoreError(f"ensemble member {item}: weight must be a positive number, not {value}")
     return v
+
+
+def _temperature(value, item):
+    """A member's temperature, in the range of the KD temperature (kdcache.args.Temperature)."""
+    if isinstance(value, bool):
+        value = str(value)
+    return Temperature().coerce(value, f"ensemble member {item}: temperature", error=StoreError)
+
+
+def normalised(weights, names=None):
+    """The weights divided by their sum, as float64 (exactly rounded): StoreError in one line when the sum
+    is past float64's range (1e308 twice) or a weight is 0 once divided by it (1e-300 beside 1e300): the
+    combination would silently drop members (all of them, at 1e308 twice: the targets uniform)."""
+    names = names or [str(i) for i in range(len(weights))]
+    total = sum(Fraction(w) for w in weights)
+    shown = ", ".join(f"{w:g}" for w in weights)
+    try:
+        float(total)
+    except OverflowError:
+        raise StoreError(f"ensemble weights {shown} sum past the largest float64 number (~1.8e308): only their "
+                         f"ratios count; give them on a smaller scale, e.g. 1 and 2") from None
+    out = [float(Fraction(w) / total) for w in weights]
+    zero = [n for n, w in zip(names, out) if w == 0.0]
+    if zero:
+        raise StoreError(f"ensemble weights {shown}: member {zero[0]}'s weight is 0 once divided by their sum (a "
+                         f"ratio past float64's range): it would count for nothing; give weights on a closer scale "
+                         f"or leave the member out")
+    return out
 
 
 def parse_members(text):
@@ -75,11 +113,12 @@ def parse_members(text):
         while len(parts) > 1 and len(nums) < 2 and _numberish(parts[-1]):
             nums.insert(0, parts.pop())
         path = ":".join(parts)
-        weight = _positive(nums[0], "weight", item) if nums else 1.0
-        temp = _positive(nums[1], "temperature", item) if len(nums) > 1 else 1.0
+        weight = _weight(nums[0], repr(item)) if nums else 1.0
+        temp = _temperature(nums[1], repr(item)) if len(nums) > 1 else 1.0
         out.append(Member(path, weight, temp))
     if len(out) < 2:
         raise StoreError(f"ensemble {text!r} names one cache: name two or more, separated by commas")
+    normalised([m.weight for m in out], [m.cache for m in out])
     return tuple(out)
 
 
@@ -107,14 +146,12 @@ def as_members(members, weights=None, temperatures=None):
             m = m.cache
         else:
             w, t = 1.0, 1.0
-        w = w if weights is None else weights[i]
-        t = t if temperatures is None else temperatures[i]
-        for what, v in (("weight", w), ("temperature", t)):
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
-                raise StoreError(f"ensemble member {i}: {what} must be a positive number, not {v!r}")
-        out.append(Member(m if isinstance(m, CacheReader) else os.fspath(m), float(w), float(t)))
+        w = _weight(w if weights is None else weights[i], i)
+        t = _temperature(t if temperatures is None else temperatures[i], i)
+        out.append(Member(m if isinstance(m, CacheReader) else os.fspath(m), w, t))
     if len(out) < 2:
         raise StoreError("an ensemble needs two or more caches")
+    normalised([m.weight for m in out])
     return tuple(out)
 
 
@@ -145,8 +182,7 @@ class EnsembleReader:
         except BaseException:
             self.close()
             raise
-        total = sum(m.weight for m in members)
-        self.weights = [m.weight / total for m in members]
+        self.weights = normalised([m.weight for m in members])
         self.temperatures = [m.temperature for m in members]
         self.members = tuple(Member(r.base, m.weight, m.temperature) for r, m in zip(self.readers, members))
         self.spec = self.readers[0].spec
@@ -162,9 +198,16 @@ class EnsembleReader:
                     raise StoreError(f"ensemble member {r.base} differs from {first.base} in {what} ({_shown(b)} vs "
                                      f"{_shown(a)}): an ensemble combines caches of the same data, views, seed and "
                                      f"augmentation; build the member with the first one's options")
-            if r.fingerprint == first.fingerprint:
-                raise StoreError(f"ensemble member {r.base} is the same cache as {first.base} (fingerprint "
-                                 f"{r.fingerprint}): weight one member instead (CACHE:WEIGHT)")
+        for j, r in enumerate(self.readers):
+            for q in self.readers[:j]:
+                if r.fingerprint == q.fingerprint:
+                    raise StoreError(f"ensemble member {r.base} is the same cache as {q.base} (fingerprint "
+                                     f"{r.fingerprint}): weight one member instead (CACHE:WEIGHT)")
+                how = one_teacher(q.spec, r.spec)
+                if how:
+                    raise StoreError(f"ensemble members {q.base} and {r.base} hold one teacher's targets ({how}): "
+                                     f"the ensemble would count that teacher twice; keep one of them (give it more "
+                                     f"weight with CACHE:WEIGHT)")
         if self.rule == "logits":
             for r in self.readers:
                 if r.codec.name == "sampled":
@@ -251,6 +294,36 @@ class EnsembleReader:
     def __exit__(self, *exc):
         self.close()
         return False
+
+
+def _source(spec):
+    """The fingerprint of the cache `spec`'s cache was converted from (kdcache convert), or None."""
+    src = (spec.inputs or {}).get("converted_from")
+    return src.get("fingerprint") if isinstance(src, dict) else None
+
+
+def teacher_identity(spec):
+    """What names the teacher behind a cache, whatever its codec or dtype: the teacher entry of its inputs
+    (its files' digests and input preprocessing), which a conversion keeps; without one, the cache a
+    conversion came from (or the cache itself)."""
+    teacher = (spec.inputs or {}).get("teacher")
+    if teacher:
+        return json.dumps(teacher, sort_keys=True, default=str)
+    return "cache:" + (_source(spec) or spec.fingerprint)
+
+
+def one_teacher(a, b):
+    """How the caches of specs `a` and `b` (of the same data) hold one teacher's targets, in words; None
+    when they hold two teachers'."""
+    if teacher_identity(a) != teacher_identity(b) and _source(a) != b.fingerprint and _source(b) != a.fingerprint:
+        return None
+    codecs = f"codec {a.make_codec().spec}/{a.dtype} and {b.make_codec().spec}/{b.dtype}"
+    for x, y in ((a, b), (b, a)):
+        if _source(y) == x.fingerprint:
+            return f"{y.fingerprint} is a conversion of {x.fingerprint}: {codecs}"
+    t = (a.inputs or {}).get("teacher")
+    name = t.get("name") if isinstance(t, dict) else None
+    return f"the same teacher{' ' + str(name) if name else ''} and data in {codecs}"
 
 
 def combine(rows, weights, temperatures, rule):

@@ -12,12 +12,19 @@ from .errors import StoreError
 
 def fs_error(e, where, fix):
     """One line naming the operating system's reason (h5py's messages hold it as 'error message')."""
-    reason = getattr(e, "strerror", None)
-    if not reason:
-        text = str(e)
-        m = re.search(r"error message = '([^']+)'", text)
-        reason = m.group(1) if m else text.splitlines()[0][:160]
+    text = getattr(e, "strerror", None) or str(e)  # h5py's OSError carries HDF5's whole report as strerror
+    m = re.search(r"error message = '([^']+)'", text)
+    reason = m.group(1) if m else " ".join(text.split())[:160]
     return StoreError(f"{where}: {reason} ({type(e).__name__}): {fix}")
+
+
+def exit_at_once(code):
+    """End the process with `code` now, without the interpreter's clean-up: after HDF5 failed a write (a
+    full disk), its own clean-up at exit can crash the process (SIGSEGV) after the error line was
+    printed. Whatever was committed is on disk already."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 @contextlib.contextmanager

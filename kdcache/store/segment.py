@@ -43,6 +43,17 @@ def chunk_rows(bytes_per_row, target=64 * 1024):
     return max(1, target // max(1, int(bytes_per_row)))
 
 
+def segment_bytes(codec, rows):
+    """The most a segment of `rows` rows (create_segment's layout) takes once written: whole chunks of
+    each codec field, of the keys and of the item records, and its metadata."""
+    def chunked(row_bytes, per_chunk):
+        per_chunk = min(max(1, rows), per_chunk)
+        return -(-rows // per_chunk) * per_chunk * row_bytes
+    data = chunked(codec.bytes_per_row, chunk_rows(codec.bytes_per_row))
+    records = chunked(schema.ITEM_DTYPE.itemsize, chunk_rows(schema.ITEM_DTYPE.itemsize * 64))  # `items`, if kept
+    return data + chunked(8, chunk_rows(8 * 64)) + records + (64 << 10) + rows // 64
+
+
 def create_segment(directory, spec, codec, rows, shard, nshards, items=False):
     """Create a segment for up to `rows` appended rows, switch it to SWMR and only then give it
     its visible name, so a reader never opens a segment that is not yet readable. `items`: with
@@ -74,7 +85,10 @@ def create_segment(directory, spec, codec, rows, shard, nshards, items=False):
         f.flush()
         os.replace(tmp, final)
     except BaseException:
-        f.close()
+        try:
+            f.close()
+        except (OSError, RuntimeError):  # HDF5 failed a write (a full disk): its close fails too
+            pass
         try:
             os.unlink(tmp)
         except OSError:

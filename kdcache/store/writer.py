@@ -178,11 +178,19 @@ class CacheWriter:
         if not same:
             fh.close()
             return False
-        fh.seek(0)
-        fh.truncate()
-        fh.write(json.dumps({"pid": os.getpid(), "host": HOST, "shard": f"{self.shard}/{self.nshards}",
-                             "started": time.time()}))
-        fh.flush()
+        try:
+            fh.seek(0)
+            fh.truncate()
+            fh.write(json.dumps({"pid": os.getpid(), "host": HOST, "shard": f"{self.shard}/{self.nshards}",
+                                 "started": time.time()}))
+            fh.flush()
+        except OSError as e:  # a full disk: the lock is taken, its holder's line could not be written
+            try:
+                fh.close()
+            except OSError:
+                pass
+            raise fs_error(e, path, "free disk space (or pass another --cache-dir), then run the producer "
+                                    "again: it resumes") from None
         self._lock_fh = fh
         self.lock_path = path
         return True
@@ -288,6 +296,9 @@ class CacheWriter:
             f.flush()
         except (OSError, RuntimeError) as e:  # disk full, size limit, I/O error: committed rows stay sound
             quiet_h5py_dealloc_errors()
+            # No h5py object of the failed file may outlive abort() in this frame, which the exception's
+            # traceback keeps: freed after HDF5 failed its close, such an object crashes the interpreter.
+            del f, ds
             self._broken = str(e).splitlines()[0][:200]
             raise fs_error(e, self.segment_path, "free disk space (or lift the file size limit), then run "
                                                  "the producer again: it resumes, and every row committed "
@@ -302,7 +313,7 @@ class CacheWriter:
             self._file, self.segment_path = create_segment(self.parts, self.spec, self.codec,
                                                            int(self._todo.sum()), self.shard, self.nshards,
                                                            items=items)
-        except OSError as e:
+        except (OSError, RuntimeError) as e:  # RuntimeError: HDF5 failed a write while creating it (a full disk)
             quiet_h5py_dealloc_errors()
             raise fs_error(e, self.parts, "free disk space or make the cache directory writable, "
                                           "then run the producer again: it resumes") from None

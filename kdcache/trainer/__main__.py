@@ -77,6 +77,11 @@ def train_main(argv=None, prog="python -m kdcache.trainer"):
     from kdcache import signals
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     logging.basicConfig(level=logging.INFO, format="[trainer %(asctime)s] %(message)s", datefmt="%H:%M:%S")
+    from kdcache.trainer.options import sampled_warning
+    note = sampled_warning(args.codec, args.temperature) if args.teacher_mode == "cache" and not args.ensemble \
+        else None
+    if note:
+        logging.getLogger("kdcache.trainer").warning(note)
     from kdcache.pipeline.checkpoint import TeacherError
     from kdcache.pipeline.datasets import DatasetError
     from kdcache.store import StoreError

@@ -20,7 +20,7 @@ from kdcache.pipeline.augment import Augment, as_augment, make_views
 from kdcache.pipeline.schedule import epoch_batches, view_of_epoch
 from kdcache.store.schema import index_error
 from kdcache.trainer.itemcheck import EAGER, ItemCheck
-from kdcache.trainer.loss import check_targets, kd_formula
+from kdcache.trainer.loss import check_targets, kd_formula, temperature_of
 
 log = logging.getLogger("kdcache.trainer")
 
@@ -252,7 +252,7 @@ def kd_symbol(student_logits, *, temperature=20.0, alpha=0.5, num_classes=None,
     MakeLoss head, with the student's softmax as a second, gradient-free output for metrics."""
     s = student_logits
     per_sample = kd_formula(mx.sym, s, mx.sym.var(soft_label_name), mx.sym.var(label_name),
-                            temperature=temperature, alpha=alpha)
+                            temperature=temperature_of(temperature), alpha=alpha)
     loss = mx.sym.MakeLoss(per_sample, normalization="batch", name="kd_loss")  # the batch's mean, as Gluon's trainer.step(B)
     prob = mx.sym.BlockGrad(mx.sym.softmax(s, axis=1), name="prob")
     return mx.sym.Group([loss, prob])

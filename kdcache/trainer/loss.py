@@ -12,6 +12,7 @@ where the loop reads the loss anyway, before the optimiser step. The trainer's l
 import numpy as np
 from mxnet import gluon
 
+from kdcache.args import Temperature
 from kdcache.store.schema import name_keys
 from kdcache.trainer.errors import TrainError
 
@@ -95,13 +96,19 @@ class KDLoss(gluon.loss.Loss):
 
     def __init__(self, temperature=20.0, alpha=0.5, **kw):
         super().__init__(weight=None, batch_axis=0, **kw)
-        self.temperature = float(temperature)
+        self.temperature = temperature_of(temperature)
         self.alpha = float(alpha)
 
     def hybrid_forward(self, F, student, teacher, label):
         # alpha=0: no teacher term at all (0 * a NaN target would still be NaN)
         return kd_formula(F, student, teacher if self.alpha else None, label, temperature=self.temperature,
                           alpha=self.alpha)
+
+
+def temperature_of(value):
+    """The KD temperature as a float, checked as the command line checks --temperature (kdcache.args.Temperature):
+    ValueError in one line outside 0.01 to 1000."""
+    return Temperature().coerce(value, "temperature", error=ValueError)
 
 
 def kd_formula(F, student, teacher, label, *, temperature, alpha):

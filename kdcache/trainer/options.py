@@ -7,7 +7,7 @@ import os
 import re
 from typing import NamedTuple
 
-from kdcache.args import Allowed, Dir, Float, Int, Name, Option, Parser, add_options, fail
+from kdcache.args import Allowed, Dir, Float, Int, Name, Option, Parser, Temperature, add_options, fail
 from kdcache.pipeline.options import SHARED, check_applies, check_views, resolve_teacher
 
 DESCRIPTION = """\
@@ -153,7 +153,7 @@ TRAINER = [
            group="student"),
     Option("--teacher-mode", "cache: targets from the store; inline: the teacher in the loop; none: hard labels",
            choices=("cache", "inline", "none"), default="cache", group="distillation", make="TEACHER_MODE"),
-    Option("--temperature", "KD temperature (as GluonCV)", type=Float(0, 1000, gt=True), default=20.0,
+    Option("--temperature", "KD temperature (as GluonCV)", type=Temperature(), default=20.0,
            metavar="T", group="distillation", make="T", short="-T"),
     Option("--alpha", "weight of the soft term; 1 - alpha weighs the hard labels (0.5 = GluonCV's)",
            type=Float(0, 1), default=0.5, metavar="A", group="distillation", make="ALPHA"),
@@ -266,6 +266,23 @@ def parse_args(argv=None, prog="python -m kdcache.trainer", launched=False):
     if (args.kvstore or "").startswith("dist") and args.store == "ring":
         p.error("argument --store: a ring has one reader; distributed workers read a cache (--store cache)")
     return args
+
+
+def sampled_warning(codec, temperature, *, member=None):
+    """The one line a run prints when it distils from a `sampled:K` codec at a temperature other than 1, or
+    None. Its rows are an unbiased estimate of the teacher's distribution at T = 1 (docs/codecs.md); at
+    another T the student learns the estimate tempered, which is neither unbiased nor the teacher at T.
+    `member`: (cache, its own T) of an ensemble member, whose own T tempers it first."""
+    codec, t = str(codec or ""), float(temperature)
+    mt = float(member[1]) if member else 1.0
+    if not codec.startswith("sampled:") or (t == 1.0 and mt == 1.0):
+        return None
+    what = f"ensemble member {member[0]} (codec {codec})" if member else f"codec {codec}"
+    at = f"--temperature {t:g}" if mt == 1.0 else f"its own T {mt:g} and --temperature {t:g}"
+    fix = " and ".join(([] if t == 1.0 else ["pass -T 1"]) + ([] if mt == 1.0 else ["give the member T 1 (CACHE:W:1)"]))
+    return (f"warning: {what} holds an unbiased estimate of the teacher's distribution at T = 1; at {at} the "
+            f"student learns that estimate tempered (count^(1/T), renormalised), which is neither unbiased nor the "
+            f"teacher at that temperature: {fix} for the estimate the codec is made for (docs/codecs.md)")
 
 
 def recorded(args):

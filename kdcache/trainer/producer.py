@@ -218,6 +218,11 @@ def open_ensemble(args, train, augment):
                              f"and --seed they were built with")
     log.info("ensemble of %d caches (%s, rule %s): the teacher costs nothing in this run", len(reader.members),
              ", ".join(r.fingerprint for r in reader.readers), reader.rule)
+    from kdcache.trainer.options import sampled_warning
+    for r, m in zip(reader.readers, reader.members):
+        note = sampled_warning(r.codec.spec, args.temperature, member=(r.base, m.temperature))
+        if note:
+            log.warning(note)
     return reader
 
 

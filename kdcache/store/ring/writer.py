@@ -1,7 +1,7 @@
 """RingWriter: the producer's side of the ring, writing teacher logits by (sample index, epoch) key."""
 import numpy as np
 
-from ..codec import _finite_or_raise
+from ..codec import _finite_or_raise, stream_keys
 from ..errors import BadInputError, ConsumerGoneError, MissingTargetsError
 from .base import _Side, _Waiter
 from .layout import EMPTY, FINISHED, LEFT, PRODUCER, READY, RUNNING, _as_keys, _show
@@ -25,13 +25,16 @@ class RingWriter(_Side):
     ring is full; `timeout` counts seconds without progress and `liveness_timeout` how long the
     consumer may go without a heartbeat before it counts as dead.
     Options (keyword only): capacity=None, num_classes=None, codec=None, dtype=None,
-    timeout=60.0, liveness_timeout=5.0, fingerprint=None.
+    timeout=60.0, liveness_timeout=5.0, fingerprint=None, seed=0.
+    `seed` (the run's --seed) keys a `sampled:K` ring's draws, with each row's sample, view and epoch
+    (codec.stream_keys): every epoch draws anew, and another seed draws otherwise.
     """
 
     role, _PEER_GONE, _CLEAN_EXIT = PRODUCER, ConsumerGoneError, FINISHED
 
-    def __init__(self, name=None, *, create=True, **options):
+    def __init__(self, name=None, *, create=True, seed=0, **options):
         super().__init__(name, create, **options)
+        self.seed = int(seed)
         self._count = int(self._ring.hdr["write_count"])
 
     @property
@@ -39,9 +42,10 @@ class RingWriter(_Side):
         """Rows this ring has received from producers so far."""
         return self._count
 
-    def write(self, indices, epochs, logits, *, timeout=None):
+    def write(self, indices, epochs, logits, *, views=0, timeout=None):
         """Write rows logits[i] (float [B, num_classes]) under keys (indices[i], epochs[i]);
-        `epochs` may be one integer for the whole batch. Blocks while the ring is full.
+        `epochs` may be one integer for the whole batch, and `views` (the rows' views: one integer or one
+        per index) joins the draw keys of a sampled codec. Blocks while the ring is full.
         Raises BadInputError (nothing written) for NaN/Inf or bad shapes, ConsumerGoneError if
         the consumer died or left, MissingTargetsError (a TimeoutError; .missing holds the
         [n, 2] keys not written) after `timeout` seconds without a free slot. Returns B."""
@@ -55,7 +59,7 @@ class RingWriter(_Side):
         if x.dtype.kind != "f":
             x = x.astype(np.float32)
         _finite_or_raise(x, idx, f"RingWriter.write to ring {self.name}")
-        enc = r.codec.encode(x, keys=idx)
+        enc = r.codec.encode(x, keys=stream_keys(self.seed, idx, views, ep))
         timeout = r.timeout if timeout is None else float(timeout)
         with self._lock:
             r.beat()

@@ -205,8 +205,10 @@ class DecodedDataset(Dataset):
             xs = [self._decode(i, out=out[k]) for k, i in enumerate(flat)]
         shapes = {x.shape for x in xs}
         if len(shapes) > 1:
-            raise DatasetError(f"{self.name}: images of different sizes {sorted(shapes)} in one batch: "
-                               f"pass --image-size HxW to resize them")
+            sizes = sorted(f"{h}x{w}" for _, h, w in shapes)  # a photo folder's sizes are many: three are enough
+            raise DatasetError(f"{self.name}: images of {len(shapes)} sizes in one batch ({', '.join(sizes[:3])}"
+                               f"{', ...' if len(sizes) > 3 else ''}, HxW): pass --image-size HxW to "
+                               f"resize them")
         if shapes and shapes != {out.shape[1:]}:  # all of one size, not the first image's
             out = np.stack(xs)
         return out, self.labels[np.asarray(indices, dtype=np.int64)]

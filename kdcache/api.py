@@ -117,8 +117,10 @@ def build_cache(teacher: Union[str, Any], dataset: str, *, views: int = 1, augme
     prefix of its own: a second instance of a net exports other parameter names, so another cache). A
     SymbolBlock from SymbolBlock.imports: pass the prefix it was imported from (it exports its parameters
     only after .hybridize() and one forward; before, BuildError says so).
-    dataset: a name as --dataset takes it ("digits", "mnist" with data_root=..., "MODULE:FUNCTION"
-    for your own loader returning (images, labels, num_classes)). A loaded data set object or an
+    dataset: a name as --dataset takes it ("digits", "mnist" with data_root=..., or "MODULE:FUNCTION" for
+    your own: FUNCTION(split), split "train" or "test", returns a data set of (image, label) items, image
+    float32 [C, H, W] in [0, 1] and label an integer class; the class count is its `num_classes`
+    attribute, else the largest label + 1). A loaded data set object or an
     arbitrary gluon Dataset is refused: the producer loads the data itself, in its own process, so
     that the fingerprint records its files' digests the way the command line does.
     options: data_root, image_size, num_classes, split, teacher_input, teacher_mean, teacher_std,

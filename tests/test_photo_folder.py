@@ -190,3 +190,20 @@ def test_other_output_during_a_decode_still_reaches_stderr():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=CHILD_ENV, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stderr.splitlines() == ["before", "kept 1", "kept 2", "kept 3", "after", "child kept"], r.stderr
+
+
+@pytest.mark.slow
+def test_the_images_page_s_teacher_line_runs_on_a_photo_folder(photos, tmp_path):
+    """docs/images.md's `kdcache teacher` line for photos, as written (one epoch instead of 30), on real photos."""
+    import shlex
+    text = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "images.md")).read()
+    section = text.split("## Your photos: a teacher, its cache, its check")[1].split("\n## ")[0]
+    (line,) = [ln for b in re.findall(r"```sh\n(.*?)```", section, re.S) for ln in b.splitlines() if ln.strip()]
+    assert "--epochs 30" in line and "--image-size" in line
+    os.symlink(photos / "folder", tmp_path / "photos")
+    argv = shlex.split(line.replace("--epochs 30", "--epochs 1"))
+    assert argv[0] == "kdcache"
+    r = kdcache(tmp_path, *argv[1:])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [m for m in map(EPOCH_LINE.search, r.stderr.splitlines()) if m]
+    assert json.loads((tmp_path / "teachers" / "photos-info.json").read_text())["augment"] == "rrc:64,flip"

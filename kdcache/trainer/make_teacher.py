@@ -10,6 +10,7 @@ is said to be so in one line when it is exported.
 if __name__ == "__main__":  # first, before anything heavy is imported: signals at safe points only
     from kdcache import signals as _signals
     _signals.defer()
+import copy
 import json
 import logging
 import os
@@ -156,6 +157,20 @@ def accuracy(net, dataset, batch_size=256):
     return correct / len(dataset)
 
 
+# The shared --augment (its type, default and values), as the teacher reads it: every epoch is a new view.
+AUGMENT_HELP = ("the keyed augmentation each epoch's view of a sample is made with (view = epoch), as the "
+                "producer's and the trainer's --augment: auto = the data set's usual one, crop:1 for digits, "
+                "crop:2 for mnist5k, rrc:HxW,flip for photos (imagefolder, recordio; HxW the images' size after "
+                "--image-size), crop:4,flip for others; none turns it off")
+
+
+def _as_teacher(option, help):
+    """A shared option with the teacher's own help (and no Make variable: `make teacher` does not pass it)."""
+    o = copy.copy(option)
+    o.help, o.make = help, None
+    return o
+
+
 TEACHER = [
     SHARED_BY_DEST["dataset"], SHARED_BY_DEST["data_root"], SHARED_BY_DEST["image_size"], SHARED_BY_DEST["num_classes"],
     Option("--arch", "network: digits_teacher, mnist_teacher, small_cnn, mlp, or a Gluon model-zoo name "
@@ -169,23 +184,16 @@ TEACHER = [
            group="teacher"),
     Option("--schedule", "learning-rate schedule (cosine decays to 0 over the epochs)",
            choices=("cosine", "constant"), default="cosine", group="teacher"),
-    SHARED_BY_DEST["augment"],
+    _as_teacher(SHARED_BY_DEST["augment"], AUGMENT_HELP),
     Option("--seed", "seed of the initialisation and the augmentation", type=Int(0, 2 ** 32 - 1), default=0,
            metavar="S", group="teacher"),
     Option("--threads", "compute threads (default: all cores)", type=Int(1, 1024), metavar="N", group="teacher"),
     Option("--quiet", "no line per epoch (the test split is then evaluated once, at the end)", action="store_true",
            group="teacher"),
 ]
-# The shared --augment, as the teacher reads it: every epoch is a new view, so auto is the data set's usual one.
-AUGMENT_HELP = ("the keyed augmentation each epoch's view of a sample is made with (view = epoch), as the "
-                "producer's and the trainer's --augment: auto (default) = the data set's usual one, crop:1 for "
-                "digits, crop:2 for mnist5k, rrc:HxW,flip for photos (imagefolder, recordio; HxW the images' "
-                "size after --image-size), crop:4,flip for others; none turns it off")
-
-
 def main(argv=None, prog="python -m kdcache.trainer.make_teacher"):
     p = Parser(prog=prog, description=__doc__.split("\n\n")[0])
-    add_options(p, TEACHER, augment={"help": AUGMENT_HELP})
+    add_options(p, TEACHER)
     args = p.parse_args(argv)
     check_data_applies(args, p)
     base = args.dataset.split(":", 1)[0].lower()

@@ -169,7 +169,8 @@ SHARED = [
            "(RandomResizedCrop to SIZE = N or HxW) | center:SIZE | eval:RESIZE/SIZE (short side to RESIZE, "
            "SIZE/0.875 for center, then the centre crop: every view the same) | MODULE:FUNCTION (your own: "
            "FUNCTION(image, rng) -> image, rng seeded by (seed, sample, view)); auto = none for 1 view, else the "
-           "data set's usual", type=AugmentSpec(), default="auto", metavar="SPEC", group=DATA, make="AUGMENT"),
+           "data set's usual (crop:1 digits, crop:2 mnist5k and mnist, crop:2,flip fashion-mnist, rrc:HxW,flip "
+           "photos at their size, crop:4,flip others)", type=AugmentSpec(), default="auto", metavar="SPEC", group=DATA, make="AUGMENT"),
     Option("--seed", "seed of the schedule and of the augmentation", type=Int(0, 2 ** 32 - 1), default=0,
            metavar="S", group=DATA, make="SEED"),
     Option("--cache-dir", "cache directory (default: $KDCACHE_DIR, else ./caches)", type=Dir(), metavar="DIR",

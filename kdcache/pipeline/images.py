@@ -206,9 +206,9 @@ class DecodedDataset(Dataset):
         shapes = {x.shape for x in xs}
         if len(shapes) > 1:
             sizes = sorted(f"{h}x{w}" for _, h, w in shapes)  # a photo folder's sizes are many: three are enough
-            raise DatasetError(f"{self.name}: images of {len(shapes)} sizes in one batch ({', '.join(sizes[:3])}"
-                               f"{', ...' if len(sizes) > 3 else ''}, HxW): pass --image-size HxW to "
-                               f"resize them")
+            raise DatasetError(f"{self.name}: images of different sizes in one batch ({len(sizes)} sizes: "
+                               f"{', '.join(sizes[:3])}{', ...' if len(sizes) > 3 else ''}): pass --image-size HxW "
+                               f"to resize them")
         if shapes and shapes != {out.shape[1:]}:  # all of one size, not the first image's
             out = np.stack(xs)
         return out, self.labels[np.asarray(indices, dtype=np.int64)]

@@ -205,7 +205,7 @@ def recorded_files(args, rec, sources):
                       f"{args.data_root}: drop --data-root (the recorded folder is read)")
     if args.data_root is None and root is None:
         raise Refused(f"the cache was built from data set {what}, read from local files, and does not record "
-                      f"where (it predates that record): pass --data-root")
+                      f"where (caches built before they recorded it): pass --data-root")
     if args.data_root is None and not os.path.exists(root):
         raise Refused(f"the cache was built from data set {what} read from --data-root {root}, which is gone: "
                       f"pass --data-root where the files are now")

@@ -131,6 +131,14 @@ def test_verify_reads_the_data_root_and_image_size_the_cache_records(photos, tmp
     assert str(root) in line and "gone" in line and "--data-root" in line
     r = kdcache(tmp_path, "verify", path, "--teacher", "t8", "--data-root", "moved")
     assert r.returncode == 0, r.stderr[-3000:]
+    # What the cache records: where, and the size; a conversion of it records the same.
+    import h5py
+    r = kdcache(tmp_path, "convert", path, "--codec", "topk:2", "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    converted = json.loads(r.stdout.strip().splitlines()[-1])["cache_path"]
+    for p in (path, converted):
+        with h5py.File(p, "r") as f:
+            assert json.loads(f.attrs["sources_json"]) == {"data_root": str(root), "image_size": [8, 8]}
 
 
 @pytest.fixture(scope="module")

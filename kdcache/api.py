@@ -64,7 +64,23 @@ def _teacher_prefix(teacher, name):
         except Exception as e:  # not hybridized, or never run: MXNet's own message is long
             raise BuildError(f"teacher {type(teacher).__name__}: cannot be exported ({str(e).splitlines()[0]}): "
                              f"call .hybridize() and run it forward once first") from None
+        _check_export(teacher, prefix)
         yield prefix
+
+
+def _check_export(teacher, prefix):
+    """A block that exports its symbol but none of its parameters (a SymbolBlock, e.g. from SymbolBlock.imports,
+    writes them only once hybridized and run) is refused here, in one line saying what to pass instead."""
+    import mxnet as mx
+    if not teacher.collect_params().keys():
+        return  # nothing to export: the symbol alone is the teacher
+    saved = mx.nd.load(f"{prefix}-0000.params")
+    if isinstance(saved, dict) and saved:
+        return
+    raise BuildError(f"teacher {type(teacher).__name__}: its export holds none of its parameters (a SymbolBlock, "
+                     f"e.g. from SymbolBlock.imports, exports them only after .hybridize() and one forward): pass the "
+                     f"checkpoint prefix it was imported from (PREFIX of PREFIX-symbol.json and PREFIX-NNNN.params), "
+                     f"or call .hybridize() and run it forward once first")
 
 
 def _argv(teacher: str, dataset: str, options: dict) -> list:
@@ -96,11 +112,15 @@ def build_cache(teacher: Union[str, Any], dataset: str, *, views: int = 1, augme
     `kdcache cache` with the same inputs does: same fingerprint, and a complete cache is reused
     (the teacher then runs zero times).
 
-    teacher: a checkpoint prefix ("PREFIX" or "PREFIX:EPOCH"), or a hybridized gluon HybridBlock,
-    exported first to a temporary PREFIX named `teacher_name` (export it with an explicit prefix of
-    its own: a second instance of a net exports other parameter names, so another cache).
-    dataset: a name as --dataset takes it ("digits", "mnist" with data_root=..., "MODULE:FUNCTION"
-    for your own loader returning (images, labels, num_classes)). A loaded data set object or an
+    teacher: a checkpoint prefix ("PREFIX" or "PREFIX:EPOCH"), or a hybridized gluon HybridBlock that has
+    run forward once, exported first to a temporary PREFIX named `teacher_name` (export it with an explicit
+    prefix of its own: a second instance of a net exports other parameter names, so another cache). A
+    SymbolBlock from SymbolBlock.imports: pass the prefix it was imported from (it exports its parameters
+    only after .hybridize() and one forward; before, BuildError says so).
+    dataset: a name as --dataset takes it ("digits", "mnist" with data_root=..., or "MODULE:FUNCTION" for
+    your own: FUNCTION(split), split "train" or "test", returns a data set of (image, label) items, image
+    float32 [C, H, W] in [0, 1] and label an integer class; the class count is its `num_classes`
+    attribute, else the largest label + 1). A loaded data set object or an
     arbitrary gluon Dataset is refused: the producer loads the data itself, in its own process, so
     that the fingerprint records its files' digests the way the command line does.
     options: cache (an explicit cache path instead of <cache_dir>/<fingerprint>), data_root, image_size,

@@ -1,6 +1,7 @@
 """The public Python API (kdcache.build_cache, cache_path, SoftTargetDataset, SoftTargetIter, ...) as user code calls it."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -76,6 +77,23 @@ def test_build_cache_refuses_in_one_line(tmp_path, teacher):
     assert not os.listdir(d) if os.path.exists(d) else True
 
 
+def test_build_cache_explains_a_symbolblock_and_builds_from_one_that_ran(tmp_path, teacher):
+    import mxnet as mx
+    from mxnet import gluon
+    d = str(tmp_path / "c")
+    net = gluon.SymbolBlock.imports(teacher + "-symbol.json", ["data"], teacher + "-0000.params")
+    with pytest.raises(kdcache.BuildError) as e:  # before its first forward it exports no parameters
+        kdcache.build_cache(net, "digits", cache_dir=d)
+    msg = str(e.value)
+    assert "\n" not in msg and "SymbolBlock" in msg and "prefix it was imported from" in msg, msg
+    assert "unnamed list" not in msg
+    net.hybridize()
+    net(mx.nd.zeros((1, 1, 8, 8)))
+    path = kdcache.build_cache(net, "digits", cache_dir=d)
+    with kdcache.CacheReader(path) as r, kdcache.CacheReader(kdcache.build_cache(teacher, "digits", cache_dir=d)) as w:
+        assert np.array_equal(r.get(np.arange(50), 0), w.get(np.arange(50), 0))  # the same teacher's targets
+
+
 def resplit_digits(seed):
     """digits' train split drawn with another seed: as long as the real one, other images."""
     from sklearn.datasets import load_digits
@@ -123,6 +141,15 @@ def api_examples():
     files = {m.group(2): m.group(1) for m in re.finditer(r"```python\n(# (\w+\.py):.*?\n)```", text, re.S)}
     block = next(b for b in re.findall(r"```sh\n(.*?)```", text, re.S) if "python api_gluon.py" in b)
     return files, [ln.split("  #")[0].strip() for ln in block.splitlines() if ln.strip()]
+
+
+def test_the_gluon_example_reads_through_dataloader_workers_on_the_net_s_context():
+    code = api_examples()[0]["api_gluon.py"]
+    loader = re.search(r"gluon\.data\.DataLoader\(train, [^\n]*num_workers=(\d+)", code)
+    assert loader and int(loader.group(1)) > 0, "the example's DataLoader has no worker processes"
+    assert "net.hybridize()" in code and "x.as_in_context(ctx)" in code and "soft.as_in_context(ctx)" in code
+    page = open(os.path.join(ROOT, "docs", "api.md")).read()
+    assert "cpu_shared(0)" in page and "CachedOp requires all inputs to live on the same context" in page
 
 
 @pytest.mark.slow

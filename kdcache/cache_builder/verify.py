@@ -74,8 +74,10 @@ def build_parser(prog="kdcache verify"):
                                              "kdcache verify PATH runs the store's checks only)"},
                 seed={"help": "seed of the random sample of keys (the augmentation's seed is the cache's)"},
                 batch_size={"help": "teacher batch"},
-                data_root={"help": "the data set's local files, when the cache's data set reads files"},
-                image_size={"help": "resize decoded images to HxW, as the cache was built (recordio, imagefolder)"})
+                data_root={"help": "the data set's local files (default: the folder the cache records; give it when "
+                                   "the files have moved)"},
+                image_size={"help": "resize decoded images to HxW (default: as the cache records; recordio, "
+                                    "imagefolder)"})
     return p
 
 
@@ -118,7 +120,7 @@ def check(args):
     with open_final(fin) as f:  # sound: a finished file of a known format version
         spec = CacheSpec.from_meta(read_meta(f, fin))
         topt = recorded_teacher(args, spec.inputs.get("teacher"), report["path"])
-        dataset, augment, seed = recorded_inputs(args, spec.inputs)
+        dataset, augment, seed = recorded_inputs(args, spec.inputs, spec.sources)
         report["teacher_check"] = compare(args, f, spec, topt, dataset, augment, seed)
     return report
 
@@ -160,9 +162,12 @@ def dataset_name(rec):
     return f"synthetic:n={n},classes={int(rec['classes'])},shape={shape},seed={int(rec['seed'])}"
 
 
-def recorded_inputs(args, inputs):
+def recorded_inputs(args, inputs, sources=None):
     """(data set, augmentation, augmentation seed) as the cache records them; the data set must be
-    the same one (its identity: name, split, length, content digest)."""
+    the same one (its identity: name, split, length, content digest). Its files are read from where the
+    cache records (`sources`: data_root, image_size); an explicit --data-root or --image-size that
+    disagrees with the record is refused naming both (a --data-root is taken when the recorded folder is
+    gone: the files moved)."""
     from kdcache.pipeline.cachespec import augment_from_inputs
     from kdcache.pipeline.datasets import BUILTIN, DATASETS, load_dataset
     from kdcache.pipeline.pieces import is_piece
@@ -174,18 +179,49 @@ def recorded_inputs(args, inputs):
     if builtin and args.data_root is not None:
         raise Refused(f"argument --data-root: the cache's data set {rec['name']} is built in and reads no files; "
                       f"drop --data-root")
-    if not builtin and args.data_root is None:
-        raise Refused(f"the cache was built from data set {rec['name']} ({rec.get('split')}, {rec.get('length')} "
-                      f"samples), read from local files: pass --data-root")
-    dataset = load_dataset(dataset_name(rec), data_root=args.data_root, split=rec.get("split", "train"),
-                           image_size=args.image_size, num_classes=rec.get("num_classes"))
+    data_root, image_size = (None, None) if builtin else recorded_files(args, rec, sources or {})
+    dataset = load_dataset(dataset_name(rec), data_root=data_root, split=rec.get("split", "train"),
+                           image_size=image_size, num_classes=rec.get("num_classes"))
     got = dataset.identity()
     differ = sorted(k for k in set(rec) | set(got) if rec.get(k) != got.get(k))
     if differ:
         shown = "; ".join(f"{k} {rec.get(k)!r} in the cache, {got.get(k)!r} here" for k in differ[:3])
-        fix = "pass --image-size as the cache was built" if "shape" in differ else "pass the right --data-root"
+        if "shape" in differ and isinstance(rec.get("shape"), list) and len(rec["shape"]) == 3:
+            fix = f"pass --image-size {rec['shape'][1]}x{rec['shape'][2]} as the cache was built"
+        else:
+            fix = f"pass the --data-root the cache was built from (read here: {data_root})"
         raise Refused(f"the data set differs from the one the cache was built from ({shown}): {fix}")
     return dataset, augment_from_inputs(inputs), int(inputs.get("augment_seed") or 0)
+
+
+def recorded_files(args, rec, sources):
+    """(data root, image size) to read a file-based data set from: the cache's record, or the options
+    where the cache records none (older caches) or its folder is gone."""
+    from kdcache.args import Size
+    what = f"{rec['name']} ({rec.get('split')}, {rec.get('length')} samples)"
+    root = sources.get("data_root") if isinstance(sources.get("data_root"), str) else None
+    if args.data_root is not None and root is not None and os.path.exists(root) \
+            and os.path.realpath(args.data_root) != os.path.realpath(root):
+        raise Refused(f"argument --data-root: the cache was built from --data-root {root}, you passed "
+                      f"{args.data_root}: drop --data-root (the recorded folder is read)")
+    if args.data_root is None and root is None:
+        raise Refused(f"the cache was built from data set {what}, read from local files, and does not record "
+                      f"where (caches built before they recorded it): pass --data-root")
+    if args.data_root is None and not os.path.exists(root):
+        raise Refused(f"the cache was built from data set {what} read from --data-root {root}, which is gone: "
+                      f"pass --data-root where the files are now")
+    if "image_size" not in sources:  # an older cache: the option, as before
+        return args.data_root or root, args.image_size
+    try:
+        size = None if sources["image_size"] is None else Size().coerce(list(sources["image_size"]), "--image-size")
+    except (TypeError, ValueError):
+        raise Refused(f"the cache records image size {sources['image_size']!r}, not HxW: pass --image-size "
+                      f"as the cache was built") from None
+    if args.image_size is not None and tuple(args.image_size) != size:
+        built = f"--image-size {size[0]}x{size[1]}" if size else "no --image-size (the images as they are)"
+        raise Refused(f"argument --image-size: the cache was built with {built}, you passed --image-size "
+                      f"{args.image_size[0]}x{args.image_size[1]}: drop --image-size (the recorded size is used)")
+    return args.data_root or root, size
 
 
 def tolerance(fresh, dtype):

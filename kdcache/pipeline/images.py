@@ -19,6 +19,7 @@ import numpy as np
 
 from .dataset_base import Dataset, DatasetError
 from .digests import READ_FIX, files_digest, open_data, unreadable
+from .quiet import decoder_output
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 PNG_IEND = b"\x00\x00\x00\x00IEND\xaeB`\x82"  # the last chunk of every PNG, always these 12 bytes
@@ -189,10 +190,11 @@ class DecodedDataset(Dataset):
         if oversize:
             raise DatasetError(f"{where}: not decoded: {oversize}: {fix}")
         try:
-            nd_img = mx.image.imread(path) if path is not None else mx.image.imdecode(buf)
-            if self.size is not None:
-                nd_img = mx.image.imresize(nd_img, self.size[1], self.size[0])
-            a = nd_img.asnumpy()  # MXNet decodes asynchronously: its errors surface here
+            with decoder_output():  # the decoders' warnings stay off the terminal (NOTE [decoder noise])
+                nd_img = mx.image.imread(path) if path is not None else mx.image.imdecode(buf)
+                if self.size is not None:
+                    nd_img = mx.image.imresize(nd_img, self.size[1], self.size[0])
+                a = nd_img.asnumpy()  # MXNet decodes asynchronously: its errors surface here
         except mx.base.MXNetError as e:
             raise DatasetError(f"{where}: cannot be decoded as an image ({_mxnet_reason(e)}): {fix}") from None
         if a.ndim == 2:
@@ -208,11 +210,14 @@ class DecodedDataset(Dataset):
     def get_batch(self, indices):
         flat = [int(i) for i in np.asarray(indices).reshape(-1)]
         out = np.empty((len(flat),) + tuple(self.shape), dtype=np.float32)  # each image decoded into its row
-        xs = [self._decode(i, out=out[k]) for k, i in enumerate(flat)]
+        with decoder_output():  # one span for the batch: each image's own span is then nested, ~1 us
+            xs = [self._decode(i, out=out[k]) for k, i in enumerate(flat)]
         shapes = {x.shape for x in xs}
         if len(shapes) > 1:
-            raise DatasetError(f"{self.name}: images of different sizes {sorted(shapes)} in one batch: "
-                               f"pass --image-size HxW to resize them")
+            sizes = sorted(f"{h}x{w}" for _, h, w in shapes)  # a photo folder's sizes are many: three are enough
+            raise DatasetError(f"{self.name}: images of different sizes in one batch ({len(sizes)} sizes: "
+                               f"{', '.join(sizes[:3])}{', ...' if len(sizes) > 3 else ''}): pass --image-size HxW "
+                               f"to resize them")
         if shapes and shapes != {out.shape[1:]}:  # all of one size, not the first image's
             out = np.stack(xs)
         return out, self.labels[np.asarray(indices, dtype=np.int64)]

@@ -169,7 +169,8 @@ SHARED = [
            "(RandomResizedCrop to SIZE = N or HxW) | center:SIZE | eval:RESIZE/SIZE (short side to RESIZE, "
            "SIZE/0.875 for center, then the centre crop: every view the same) | MODULE:FUNCTION (your own: "
            "FUNCTION(image, rng) -> image, rng seeded by (seed, sample, view)); auto = none for 1 view, else the "
-           "data set's usual", type=AugmentSpec(), default="auto", metavar="SPEC", group=DATA, make="AUGMENT"),
+           "data set's usual (crop:1 digits, crop:2 mnist5k and mnist, crop:2,flip fashion-mnist, rrc:HxW,flip "
+           "photos at their size, crop:4,flip others)", type=AugmentSpec(), default="auto", metavar="SPEC", group=DATA, make="AUGMENT"),
     Option("--seed", "seed of the schedule and of the augmentation", type=Int(0, 2 ** 32 - 1), default=0,
            metavar="S", group=DATA, make="SEED"),
     Option("--cache-dir", "cache directory (default: $KDCACHE_DIR, else ./caches)", type=Dir(), metavar="DIR",
@@ -226,23 +227,30 @@ def resolve_teacher(args, parser=None):
 
 def check_applies(args, parser):
     """An option the data set (or the codec) would ignore is a mistake, not a silent no-op."""
-    from .pieces import is_piece
-    base = "MODULE:FUNCTION" if is_piece(args.dataset) else args.dataset.split(":", 1)[0].lower()
-    for dest, flag, where, fix in (
-            ("data_root", "--data-root", ("mnist", "fashion-mnist", "cifar10", "cifar100", "npz", "recordio",
-                                          "imagefolder"), f"--dataset {base} is built in and reads no files"),
-            ("image_size", "--image-size", ("recordio", "imagefolder"),
-             "only decoded images (recordio, imagefolder) are resized; --teacher-size resizes for the teacher"),
-            ("num_classes", "--num-classes", ("npz", "recordio"),
-             f"--dataset {base} knows its classes")):
-        if getattr(args, dest) is not None and base not in where:
-            parser.error(f"argument {flag}: {fix}; drop {flag}")
+    check_data_applies(args, parser)
     if args.codec == "int8" and args.dtype != "float16":
         parser.error(f"argument --dtype: codec int8 stores 8-bit codes (with a float32 offset and scale per row) "
                      f"whatever the dtype; drop --dtype {args.dtype}, or use --codec full --dtype {args.dtype}")
     if str(args.codec).startswith("sampled:") and args.dtype != "float16":
         parser.error(f"argument --dtype: codec {args.codec} stores classes and counts whatever the dtype; drop "
                      f"--dtype {args.dtype}, or use --codec full --dtype {args.dtype}")
+
+
+def check_data_applies(args, parser):
+    """--data-root, --image-size or --num-classes where the data set would ignore it: a mistake, not a
+    silent no-op (every command that loads a data set: cache, train, teacher)."""
+    from .pieces import is_piece
+    base = "MODULE:FUNCTION" if is_piece(args.dataset) else args.dataset.split(":", 1)[0].lower()
+    for dest, flag, where, fix in (
+            ("data_root", "--data-root", ("mnist", "fashion-mnist", "cifar10", "cifar100", "npz", "recordio",
+                                          "imagefolder"), f"--dataset {base} is built in and reads no files"),
+            ("image_size", "--image-size", ("recordio", "imagefolder"),
+             "only decoded images (recordio, imagefolder) are resized" +
+             ("; --teacher-size resizes for the teacher" if hasattr(args, "teacher_size") else "")),
+            ("num_classes", "--num-classes", ("npz", "recordio"),
+             f"--dataset {base} knows its classes")):
+        if getattr(args, dest) is not None and base not in where:
+            parser.error(f"argument {flag}: {fix}; drop {flag}")
 
 
 def check_views(args, parser):

@@ -50,6 +50,9 @@ class Teacher:
         except Exception as e:
             raise TeacherError(f"{self.params_file} is not a readable MXNet parameter file ({_first_line(e)}): "
                                f"it is truncated or of another format; re-export the teacher") from None
+        if not isinstance(saved, dict) and not len(saved):  # what a block exported before its first forward writes
+            raise TeacherError(f"{self.params_file} holds no parameters: export the block after .hybridize() and one "
+                               f"forward (a SymbolBlock: use the files it was imported from)")
         if not isinstance(saved, dict):
             raise TeacherError(f"{self.params_file} holds an unnamed list of arrays, not a checkpoint: save "
                                f"it with HybridBlock.export or Module.save_checkpoint")

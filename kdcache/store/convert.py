@@ -90,7 +90,7 @@ def target_spec(src_spec, codec, dtype):
     inputs["converted_from"] = {"fingerprint": src_spec.fingerprint, "codec": src_codec.spec,
                                 "codec_version": src_spec.codec_version, "dtype": src_spec.dtype}
     return CacheSpec(num_samples=src_spec.num_samples, num_classes=src_spec.num_classes, views=src_spec.views,
-                     codec=tgt_codec.spec, dtype=dtype, inputs=inputs)
+                     codec=tgt_codec.spec, dtype=dtype, inputs=inputs, sources=src_spec.sources)
 
 
 def convert(path, codec, dtype="float16", *, cache_dir=None, memory_budget=None):

@@ -75,6 +75,9 @@ A_FORMAT = "kdcache_format_version"
 A_KIND = "kind"                 # "cache" (final file) or "segment"
 A_FINGERPRINT = "fingerprint"
 A_INPUTS = "inputs_json"        # JSON of the inputs the fingerprint was made from
+A_SOURCES = "sources_json"      # JSON: where the producer read its inputs ({"data_root": absolute path,
+                                # "image_size": [H, W] or null}); not part of the fingerprint (the data's
+                                # content is), so a moved folder keeps its caches; absent in older files
 A_NUM_SAMPLES = "num_samples"
 A_VIEWS = "views"
 A_NUM_CLASSES = "num_classes"

@@ -28,6 +28,9 @@ class CacheSpec:
     dtype: str = "float16"
     inputs: dict = dataclasses.field(default_factory=dict)
     codec_version: int = None  # None: the version writers write now; a file's own from its metadata
+    # Where the inputs were read from (schema.A_SOURCES): recorded for tools that read them again (kdcache
+    # verify --teacher), never part of the fingerprint nor of a comparison of specs.
+    sources: dict = dataclasses.field(default_factory=dict, compare=False)
 
     def __post_init__(self):
         for name in ("num_samples", "num_classes", "views"):
@@ -78,6 +81,7 @@ class CacheSpec:
             schema.A_TOOL_VERSION: TOOL_VERSION,
             schema.A_CREATED: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             schema.A_KEY_LAYOUT: schema.KEY_LAYOUT,
+            **({schema.A_SOURCES: json.dumps(self.sources, sort_keys=True)} if self.sources else {}),
         }
 
     @classmethod
@@ -88,7 +92,17 @@ class CacheSpec:
         return cls(num_samples=int(meta[schema.A_NUM_SAMPLES]), num_classes=int(meta[schema.A_NUM_CLASSES]),
                    views=int(meta[schema.A_VIEWS]), codec=str(meta[schema.A_CODEC]),
                    dtype=str(meta[schema.A_DTYPE]), inputs=inputs,
-                   codec_version=_version(meta.get(schema.A_CODEC_VERSION, 1)))
+                   codec_version=_version(meta.get(schema.A_CODEC_VERSION, 1)), sources=_sources(meta))
+
+
+def _sources(meta):
+    """The recorded sources (a dict), {} when absent or unreadable: they are a hint for reading the inputs
+    again, whose content the fingerprint's digests check."""
+    try:
+        v = json.loads(meta.get(schema.A_SOURCES) or "{}")
+    except (TypeError, ValueError, RecursionError):
+        return {}
+    return v if isinstance(v, dict) else {}
 
 
 def _version(v):

@@ -40,7 +40,7 @@ def make_plan(args):
     from kdcache.store import path_for, registry
     train = load_train(args)
     if args.teacher_mode == "none" or getattr(args, "ensemble", None):  # an ensemble opens its caches itself
-        return Plan(train, resolve_augment(args.augment, train.name, args.views))
+        return Plan(train, resolve_augment(args.augment, train, args.views))
     topt = TeacherOptions.from_args(args)
     spec, augment = spec_from_args(args, train, topt)
     base = registry.base_path(args.cache) if args.cache else path_for(args.cache_dir, spec.fingerprint)

@@ -16,6 +16,7 @@ from kdcache.store.codec import LOGTAIL_NONE, make_codec
 from kdcache.store.errors import UnsupportedFormatError
 from kdcache.store.fingerprint import fingerprint
 from tests.conftest import ROOT
+from tests.helpers import seal_again
 
 TEMPERATURES = (1, 4, 20)
 
@@ -127,6 +128,7 @@ def legacy_cache(cache_dir, z):
     w.close()
     with h5py.File(p + ".h5", "r+") as f:
         del f.attrs[schema.A_CODEC_VERSION]
+    seal_again(p + ".h5")  # as that kdcache wrote it, sealed
     return p, spec
 
 

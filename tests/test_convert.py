@@ -30,7 +30,7 @@ def last_json(r):
 def rows(fin):
     """{dataset: array} of a finished cache's row datasets (the codec's fields)."""
     with h5py.File(fin, "r") as f:
-        spec_codec = f.attrs[schema.A_CODEC]
+        spec_codec = f.attrs[schema.A_CODEC].decode()  # text attributes are fixed-length bytes
         names = [k for k in f.keys() if k not in (schema.DONE, schema.CHECKSUMS)]
         return spec_codec, {k: f[k][()] for k in names}
 

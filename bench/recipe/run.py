@@ -81,6 +81,7 @@ def run_task(plan, name, teacher, work, recipe, seed, after):
     def then(m):
         with open(os.path.join(run_dir, "metrics.json")) as fh:
             history = json.load(fh)["history"]
+        log(f"{name} {key(recipe)} seed {seed}: val top-1 {history[-1]['val_acc']:.4f}, test {m['test_acc']:.4f}")
         return {"dataset": name, "optimizer": opt, "lr_mode": mode, "lr": lr, "seed": seed,
                 "val_top1": history[-1]["val_acc"], "test_top1": m["test_acc"], "best_val_top1": m["best_val_top1"],
                 "best_epoch": m["best_epoch"], "epochs": m["epochs"], "student": m["student"],

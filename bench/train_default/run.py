@@ -66,12 +66,12 @@ def train_task(plan, name, teacher, work, seed, after):
 def run(kids, args, plan, work):
     peak = kids.run(python_m("bench.producer.children", "peak"), "the peak", timeout=600)
     tasks, runs, teachers = [], [], {}
-    for name in sorted(plan["datasets"], key=lambda d: d != "fashion-mnist"):  # the longest teacher first
+    for name in plan["datasets"]:
         prefix, task, what = teacher_plan(name, work, quick=False, fashion_root=plan["fashion_root"],
                                           given=args.fashion_teacher if name == "fashion-mnist" else None)
         teachers[name] = {"prefix": prefix, "source": what}
         after = [task["key"]] if task else []
-        tasks += [task] if task else []
+        tasks += [task] if task else []  # the teachers first: the longest tasks, while the others' runs go on
         for i, seed in enumerate(plan["seeds"][name]):
             # the first seed's run of a data set ahead of the others: no two producers start on one cache
             runs.append(train_task(plan, name, prefix, work, seed, after + ([(name, plan["seeds"][name][0])]

@@ -20,8 +20,8 @@ BUILTIN = ("digits", "mnist5k", "fashion-mnist")
 FASHION_TEACHER = dict(QUALITY_TEACHER, epochs=8)
 QUICK_TEACHER_EPOCHS = 2
 
-__all__ = ["BUILTIN", "FASHION_INSTALL", "FASHION_ROOT", "FASHION_TEACHER", "check_fashion", "data_args", "fashion_installed",
-           "fill_task", "teacher_plan", "trainer_argv"]
+__all__ = ["BUILTIN", "FASHION_INSTALL", "FASHION_ROOT", "FASHION_TEACHER", "check_fashion", "data_args",
+           "fashion_installed", "fill_task", "teacher_plan", "trainer_argv"]
 
 
 def fashion_installed(root):

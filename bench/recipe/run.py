@@ -137,7 +137,8 @@ def run(kids, args, plan, work):
             for seed in plan["seeds"][name]:
                 runs_first.append(run_task(plan, name, teachers[name]["prefix"], work, recipe, seed,
                                            [("fill", name, seed)]))
-    log(f"{len(tasks)} teachers and caches to make, {len(runs_first)} runs on {', '.join(small)}, {plan['jobs']} at a time")
+    log(f"{len(tasks)} teachers and caches to make, {len(runs_first)} runs on {', '.join(small)}, "
+        f"{plan['jobs']} at a time")
     res = run_tasks(kids, plan["jobs"], tasks + runs_first, log)
     runs = [res[t["key"]] for t in runs_first]
     finalists = []

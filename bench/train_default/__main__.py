@@ -6,8 +6,9 @@ from bench.train_default.run import DEFAULT_OUT, OPTIONS, params, run, show
 
 
 def main(argv=None):
-    return bench_main(argv, name="train_default", description=sys.modules["bench.train_default"].__doc__.split("\n\n")[0],
-                      options=OPTIONS, params=params, run=run, show=show, default_out=DEFAULT_OUT)
+    return bench_main(argv, name="train_default",
+                      description=sys.modules["bench.train_default"].__doc__.split("\n\n")[0], options=OPTIONS,
+                      params=params, run=run, show=show, default_out=DEFAULT_OUT)
 
 
 if __name__ == "__main__":

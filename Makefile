@@ -70,7 +70,7 @@ TEACHER_DEP = $(if $(TEACHER),,$(DEFAULT_TEACHER_FILE))
 
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: help options docs setup test test-fast torture bench bench-kd bench-demand bench-store bench-read bench-checksums bench-producer bench-sizing bench-codecs bench-ensemble bench-quality bench-decode caches verify teacher cache cache-online train train-dist clean
+.PHONY: help options docs setup test test-fast torture bench bench-kd bench-demand bench-store bench-read bench-checksums bench-producer bench-sizing bench-codecs bench-ensemble bench-quality bench-decode bench-recipe bench-recipe-sweep caches verify teacher cache cache-online train train-dist clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s "$$(printf '\t')"
@@ -101,7 +101,7 @@ torture: setup  ## the long fault runs: 20 kills of the producer, a 60 s soak, 4
 		tests/test_reader_threads.py tests/test_signals.py tests/test_cache_dir_entries.py tests/test_nonfinite.py \
 		tests/test_compact_nospace.py tests/test_checksums.py tests/test_recipe.py tests/test_seal.py tests/test_trust_others.py
 
-bench: setup $(CODEC_TEACHERS)  ## every benchmark side by side: KD scenarios, demand-driven producing, store, reading at scale, producer, ImageNet sizing, codecs (QUICK=1: short runs)
+bench: setup $(CODEC_TEACHERS)  ## every benchmark side by side: KD scenarios, demand-driven producing, store, reading at scale, producer, ImageNet sizing, codecs, the default recipe's accuracy (QUICK=1: short runs)
 	$(PY) -m bench.kd $(if $(QUICK),--quick)
 	$(PY) -m bench.demand $(if $(QUICK),--quick)
 	$(PY) -m bench.store $(if $(QUICK),--quick)
@@ -109,6 +109,13 @@ bench: setup $(CODEC_TEACHERS)  ## every benchmark side by side: KD scenarios, d
 	$(PY) -m bench.producer $(if $(QUICK),--quick)
 	$(PY) -m bench.sizing $(if $(QUICK),--quick)
 	$(PY) -m bench.codecs $(if $(QUICK),--quick)
+	$(PY) -m bench.train_default $(if $(QUICK),--quick)
+
+bench-recipe: setup $(CODEC_TEACHERS)  ## the default recipe's `make train` test accuracy on digits, mnist5k and Fashion-MNIST (where installed), 3 seeds, against floors (QUICK=1: digits and mnist5k, seed 0)
+	$(PY) -m bench.train_default $(if $(QUICK),--quick)
+
+bench-recipe-sweep: setup $(CODEC_TEACHERS)  ## the sweep the default recipe comes from: optimiser x rate, KD as make train runs it, on every built-in data set, chosen on the validation slice (QUICK=1: seconds)
+	$(PY) -m bench.recipe $(if $(QUICK),--quick)
 
 bench-kd: setup  ## KD scenarios: student alone, inline, online, warm cache, ring (QUICK=1 for a short run)
 	$(PY) -m bench.kd $(if $(QUICK),--quick)

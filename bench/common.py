@@ -172,6 +172,55 @@ class Children:
         self.live.clear()
 
 
+def run_tasks(kids, jobs, tasks, log):
+    """{key: result} of tasks run `jobs` at a time: each time a slot is free, the first task in the order given
+    whose "after" tasks have all finished starts (a task waiting for another holds no slot). A task is a dict:
+    key, argv, what, timeout, and optionally after (keys of earlier tasks), json_line (False: the child prints
+    no JSON line), then (a function of the result, run before scratch is removed, whose return is the result)
+    and scratch (a folder removed once the task ends). The first failure stops the others and is raised; so
+    does a Ctrl-C, the children then stopped by the caller (Children.stop_all)."""
+    keys = {t["key"] for t in tasks}
+    for t in tasks:
+        missing = [k for k in t.get("after", ()) if k not in keys]
+        if missing:
+            raise BenchError(f"bench: {t['what']} waits for {missing}, which is not among the tasks")
+    pending, done, results, errors, running, threads = list(tasks), set(), {}, [], [0], []
+    cond = threading.Condition()
+
+    def one(t):
+        try:
+            res = kids.run(t["argv"], t["what"], timeout=t["timeout"], json_line=t.get("json_line", True))
+            results[t["key"]] = t["then"](res) if t.get("then") else res
+            log(f"{t['what']}: done in {res['_wall_s']:.0f} s")
+        except BaseException as e:
+            errors.append(e)
+            for c in list(kids.live.values()):
+                c.kill()
+        finally:
+            if t.get("scratch"):
+                shutil.rmtree(t["scratch"], ignore_errors=True)  # a student's checkpoints: its metrics are kept
+            with cond:
+                done.add(t["key"])
+                running[0] -= 1
+                cond.notify_all()
+
+    with cond:
+        while pending and not errors:
+            ready = next((t for t in pending if all(k in done for k in t.get("after", ()))), None)
+            if ready is None or running[0] >= jobs:
+                cond.wait()
+                continue
+            pending.remove(ready)
+            running[0] += 1
+            threads.append(threading.Thread(target=one, args=(ready,), daemon=True))
+            threads[-1].start()
+    for th in threads:
+        th.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
 # -- how busy the machine was ----------------------------------------------------------------------
 _CLK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 

@@ -42,6 +42,8 @@ BENCHMARKS = {
     "bench.decode": ("bench.decode.run", "decode.json"),
     "bench.checksums": ("bench.checksums.run", "checksums.json"),
     "bench.recipe": ("bench.recipe.run", "recipe_sweep.json"),
+    "bench.recipe_hard_labels": ("bench.recipe.run", "recipe_sweep_hard_labels.json"),
+    "bench.train_default": ("bench.train_default.run", "train_default.json"),
     "bench.ensemble": ("bench.ensemble.run", "ensemble.json"),
     "bench.ensemble_fashion": ("bench.ensemble.run", "ensemble_fashion.json"),
     "bench.codecs_sampled": ("bench.codecs.sampled", "codecs_sampled.json"),

@@ -185,15 +185,24 @@ def test_kill_keeps_finished_rows_and_resume_continues_them_with_the_same_lr(tmp
 
 
 def test_recipe_sweep_quick_writes_its_table(tmp_path):
+    """The sweep distils as make train does (KD from the cache at the trainer's T and alpha) and chooses on the
+    validation slice."""
+    from kdcache.trainer.options import TRAINER
+    default = {o.dest: o.default for o in TRAINER}
     out = tmp_path / "sweep.json"
     r = subprocess.run([sys.executable, "-m", "bench.recipe", "--quick", "--out", str(out), "--tmp", str(tmp_path)],
                        env=CHILD_ENV, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     rep = json.loads(out.read_text())
-    assert rep["quick"] and len(rep["runs"]) == 2 and len(rep["table"]) == 2
+    assert rep["quick"] and rep["loss"] == "kd" and rep["datasets"] == ["digits"]
+    assert len(rep["runs"]) == 2 and len(rep["table"]) == 2 and len(rep["ranking"]) == 2
     assert {(t["optimizer"], t["lr_mode"]) for t in rep["table"]} == {("adam", "constant"), ("sgd", "cosine")}
-    assert all(0.5 < t["test_top1"] <= 1 and 0 < t["best_val_top1"] <= 1 for t in rep["table"])
-    assert "| sgd " in r.stdout and "| adam " in r.stdout
+    assert all(0.5 < t["test_top1"] <= 1 and 0.5 < t["val_top1"] <= 1 for t in rep["table"])
+    assert all(x["temperature"] == default["temperature"] and x["alpha"] == default["alpha"] and
+               x["student"] == default["student"] and x["epochs"] == 2 for x in rep["runs"])
+    best = max(rep["table"], key=lambda t: t["val_top1"])
+    assert rep["choice"] == {k: best[k] for k in ("optimizer", "lr_mode", "lr")}
+    assert "| sgd " in r.stdout and "| adam " in r.stdout and "**chosen**" in r.stdout
     bad = subprocess.run([sys.executable, "-m", "bench.recipe", "--epochs", "0"], env=CHILD_ENV, cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
@@ -221,6 +230,8 @@ def test_dist_async_workers_train_on_the_schedule(tmp_path):
                         str(tmp_path / "runs"), "--student", "mlp", "--lr-mode", "step", "--lr-steps", "1"],
                        env=CHILD_ENV, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
+    from kdcache.trainer.options import TRAINER
+    lr = next(o.default for o in TRAINER if o.dest == "lr")  # the default optimiser at its default rate
     for w in (0, 1):
         rs = rows(tmp_path / "runs" / "a" / f"worker-{w}")
-        assert [float(x["lr"]) for x in rs] == pytest.approx([0.3, 0.03]) and float(rs[-1]["top1"]) > 0.5
+        assert [float(x["lr"]) for x in rs] == pytest.approx([lr, lr / 10]) and float(rs[-1]["top1"]) > 0.5

@@ -6,11 +6,10 @@ from bench.common import limit_threads
 limit_threads(os.environ)  # before anything loads MXNet or BLAS: one compute thread here, as in every child
 
 import json  # noqa: E402
-import threading  # noqa: E402
 
 from bench.cli import RUN, given_teacher, like, out_option, quick_option, tmp_option, trainer_option  # noqa: E402
 from bench.common import heading, machine_line, make_log, md_table, python_m, rendered  # noqa: E402
-from bench.common import spread, verdict  # noqa: E402
+from bench.common import run_tasks, spread, verdict  # noqa: E402
 from kdcache.args import Dir, Int, Option  # noqa: E402
 
 DEFAULT_OUT = os.path.join("bench", "results", "quality.json")
@@ -158,40 +157,6 @@ def student_task(p, prefix, work, student, mode, seed):
             "timeout": 7200, "scratch": os.path.join(work, "runs", name)}
 
 
-def run_tasks(kids, jobs, tasks):
-    """{key: result} of tasks run `jobs` at a time, in the order given; a task starts once the tasks named in its
-    "after" have finished (they come earlier in the list, so they have started). The first failure stops the
-    others and is raised."""
-    import shutil
-    from concurrent.futures import ThreadPoolExecutor
-    done, errors, results = {t["key"]: threading.Event() for t in tasks}, [], {}
-
-    def one(t):
-        for k in t.get("after", ()):
-            done[k].wait()
-        try:
-            if errors:
-                return
-            results[t["key"]] = kids.run(t["argv"], t["what"], timeout=t["timeout"],
-                                         json_line=t.get("json_line", True))
-            log(f"{t['what']}: done in {results[t['key']]['_wall_s']:.0f} s")
-        except BaseException as e:
-            errors.append(e)
-            for c in list(kids.live.values()):
-                c.kill()
-        finally:
-            done[t["key"]].set()
-            if t.get("scratch"):
-                shutil.rmtree(t["scratch"], ignore_errors=True)  # a student's checkpoints: its metrics are kept
-
-    with ThreadPoolExecutor(max_workers=jobs) as ex:
-        for f in [ex.submit(one, t) for t in tasks]:
-            f.result()
-    if errors:
-        raise errors[0]
-    return results
-
-
 # -- the run ---------------------------------------------------------------------------------------------
 def run(kids, args, p, work):
     seeds = list(range(p["seeds"]))
@@ -225,7 +190,7 @@ def run(kids, args, p, work):
     log(f"{len(tasks)} children, {p['jobs']} at a time: {'the teacher, ' if not args.teacher else ''}"
         f"{len(order) * len(seeds)} students from scratch, the cache fill, {2 * len(order) * len(seeds)} students "
         f"distilled")
-    res = run_tasks(kids, p["jobs"], tasks)
+    res = run_tasks(kids, p["jobs"], tasks, log)
     if not args.teacher:
         with open(f"{prefix}-info.json") as fh:
             teacher.update(json.load(fh), wall_s=round(res["teacher"]["_wall_s"], 1))

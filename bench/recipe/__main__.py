@@ -1,4 +1,4 @@
-"""python -m bench.recipe: the student recipe's defaults measured: optimiser x schedule x rate, on real digits."""
+"""python -m bench.recipe: the student recipe's defaults measured on what make train runs."""
 import sys
 
 from bench.cli import bench_main

@@ -124,8 +124,8 @@ TRAINER = [
            "mobilenet0.25, ...) | MODULE:FUNCTION (your own: FUNCTION(classes) returns a HybridBlock)",
            type=Student(), default="mlp128", metavar="ARCH", group="student", make="STUDENT"),
     Option("--optimizer", "sgd (with --momentum) | nag (Nesterov) | adam (see docs/recipe.md for the sweep the "
-           "defaults come from)", choices=("sgd", "nag", "adam"), default="sgd", group="recipe"),
-    Option("--lr", "base learning rate (the peak after warm-up)", type=Float(0, 10, gt=True), default=0.3,
+           "defaults come from)", choices=("sgd", "nag", "adam"), default="nag", group="recipe"),
+    Option("--lr", "base learning rate (the peak after warm-up)", type=Float(0, 10, gt=True), default=0.1,
            metavar="LR", group="recipe"),
     Option("--momentum", "momentum of sgd and nag (adam ignores it)", type=Float(0, 1), default=0.9, metavar="M",
            group="recipe"),

@@ -23,15 +23,7 @@ from kdcache.store import CacheReader, CacheWriter, StoreError
 from kdcache.store.__main__ import main as store_main
 from kdcache.store.errors import DamagedFileError
 from kdcache.store.housekeeping import final_spec
-
-
-def flip(path, at, bit):
-    fd = os.open(path, os.O_RDWR)
-    try:
-        b = os.pread(fd, 1, at)[0]
-        os.pwrite(fd, bytes([b ^ (1 << bit)]), at)
-    finally:
-        os.close(fd)
+from tests.helpers import flip
 
 
 def run_cli(argv):

@@ -203,3 +203,13 @@ def as_format_1(path):
             for a, v in src[k].attrs.items():
                 d.attrs[a] = v.decode() if isinstance(v, bytes) else v
     os.replace(tmp, path)
+
+
+def flip(path, at, bit):
+    """Flip bit `bit` of byte `at` of the file at `path`, in place (flipping it again restores it)."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        b = os.pread(fd, 1, at)[0]
+        os.pwrite(fd, bytes([b ^ (1 << bit)]), at)
+    finally:
+        os.close(fd)

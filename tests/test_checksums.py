@@ -16,7 +16,7 @@ from kdcache.store import CacheReader, path_for, schema
 from kdcache.store import checksums
 from kdcache.store.errors import DamagedFileError, DamagedRowsError
 from kdcache.store.verify import verify
-from tests.helpers import CHILD_ENV, as_format_1, expected_logits, make_spec, produce, seal_again
+from tests.helpers import CHILD_ENV, as_format_1, expected_logits, flip, make_spec, produce, seal_again
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORTURE = os.environ.get("KDCACHE_TORTURE") == "1"
@@ -46,14 +46,6 @@ def regions(fin):
     """{dataset: (offset, bytes)} of every dataset's data in the finished file."""
     with h5py.File(fin, "r") as f:
         return {k: (f[k].id.get_offset(), f[k].size * f[k].dtype.itemsize) for k in f.keys()}
-
-
-def flip(fin, at, bit):
-    with open(fin, "r+b") as fh:
-        fh.seek(at)
-        b = fh.read(1)[0]
-        fh.seek(at)
-        fh.write(bytes([b ^ (1 << bit)]))
 
 
 def read_all(p, spec):

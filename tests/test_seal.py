@@ -18,7 +18,7 @@ from kdcache.store import CacheReader, path_for, schema, seal
 from kdcache.store.errors import DamagedFileError
 from kdcache.store.segment import open_final
 from tests.conftest import ROOT
-from tests.helpers import CHILD_ENV, as_format_1, make_spec, produce
+from tests.helpers import CHILD_ENV, as_format_1, flip, make_spec, produce
 
 TORTURE = os.environ.get("KDCACHE_TORTURE") == "1"
 CODECS = [("full", "float16"), ("topk:3", "float16"), ("int8", "float16"), ("sampled:4", "float16")]
@@ -47,14 +47,6 @@ def outside_rows(fin):
     for off, n in rec["skip"]:
         skip[off:off + n] = True
     return [(at, seal.SEAL_BYTES > at >= record_end) for at in np.flatnonzero(~skip).tolist()]
-
-
-def flip(path, at, bit):
-    with open(path, "r+b") as fh:
-        fh.seek(at)
-        b = fh.read(1)[0]
-        fh.seek(at)
-        fh.write(bytes([b ^ (1 << bit)]))
 
 
 @pytest.mark.parametrize("codec, dtype", CODECS)

@@ -34,7 +34,7 @@ def test_caches_record_the_package_version(tmp_path, teacher):
     import h5py
     path = kdcache.build_cache(teacher, "digits", cache_dir=str(tmp_path / "c"))
     with h5py.File(path, "r") as f:
-        assert f.attrs["tool_version"] == kdcache.__version__
+        assert f.attrs["tool_version"].decode() == kdcache.__version__  # text attributes are fixed-length bytes
 
 
 @pytest.fixture(scope="module")

@@ -145,7 +145,7 @@ def test_a_cache_written_in_shuffled_order_and_read_back(cache_dir, mapped, budg
         assert np.array_equal(r.get(idx, views), want[idx * 3 + views])
         assert np.array_equal(r.get(np.arange(300), 1), want[np.arange(300) * 3 + 1])
     with h5py.File(final_path(p), "r") as f:  # self-describing for plain h5py
-        assert f.attrs[schema.A_CODEC] == "int8" and f.attrs[schema.A_CODEC_VERSION] == 1
+        assert f.attrs[schema.A_CODEC] == b"int8" and f.attrs[schema.A_CODEC_VERSION] == 1
         assert f[schema.INT8_CODES].shape == (300, 3, 12) and f[schema.INT8_CODES].dtype == np.uint8
         assert f[schema.INT8_LO].shape == f[schema.INT8_SCALE].shape == (300, 3)
         q, lo, s = f[schema.INT8_CODES][7, 1], f[schema.INT8_LO][7, 1], f[schema.INT8_SCALE][7, 1]

@@ -67,7 +67,7 @@ def test_the_dataset_function_contract_as_stated_holds(tmp_path, monkeypatch):
     num_classes) is refused in one line naming what an item must be."""
     import numpy as np
     from kdcache.pipeline.datasets import DatasetError, load_dataset
-    (tmp_path / "mine.py").write_text(
+    (tmp_path / "said_once_data.py").write_text(
         "import numpy as np\n\n"
         "def items(split):\n"
         "    r = np.random.default_rng(0)\n"
@@ -75,10 +75,10 @@ def test_the_dataset_function_contract_as_stated_holds(tmp_path, monkeypatch):
         "def arrays(split):\n"
         "    return np.zeros((6, 1, 4, 4), np.float32), np.arange(6) % 3, 3\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    ds = load_dataset("mine:items")
+    ds = load_dataset("said_once_data:items")
     assert len(ds) == 6 and ds.num_classes == 3 and ds.shape == (1, 4, 4)
     with pytest.raises(DatasetError, match=r"not \(image, label\)"):
-        load_dataset("mine:arrays")
+        load_dataset("said_once_data:arrays")
     assert np.isfinite(ds.get_batch([0, 5])[0]).all()
 
 

@@ -173,7 +173,8 @@ SHARED = [
            "photos at their size, crop:4,flip others)", type=AugmentSpec(), default="auto", metavar="SPEC", group=DATA, make="AUGMENT"),
     Option("--seed", "seed of the schedule and of the augmentation", type=Int(0, 2 ** 32 - 1), default=0,
            metavar="S", group=DATA, make="SEED"),
-    Option("--cache-dir", "cache directory (default: $KDCACHE_DIR, else ./caches)", type=Dir(), metavar="DIR",
+    Option("--cache-dir", "cache directory (default: $KDCACHE_DIR, else ./caches); a cache file or folder another "
+                          "user owns or can write is refused unless $KDCACHE_TRUST_OTHERS is 1 (kdcache --trust-others)", type=Dir(), metavar="DIR",
            group=CACHE, make="CACHE_DIR"),
     Option("--cache", "explicit cache path instead of <cache-dir>/<fingerprint>", type=CachePath(), metavar="PATH",
            group=CACHE),

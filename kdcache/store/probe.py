@@ -3,7 +3,7 @@
 Files written before seals existed (format version 1, NOTE [the seal]) have nothing that checks their
 HDF5 metadata before the HDF5 library parses it, and one flipped bit there has made HDF5 hang with
 signals ignored or crash. So the first time a process opens such a file, a child process
-(`python -m kdcache.store.probe PATH`) reads everything a reader reads of it -- its metadata, the
+(`python -m kdcache.store.probe_child PATH`) reads everything a reader reads of it -- its metadata, the
 structure check, the checksum table -- and the parent waits at most LIMIT_S seconds: a child that
 hangs is killed, one that dies of a signal is reported, and either way the file is DamagedFileError in
 the parent, one line, which never touched it. A file the child read cleanly is opened in the parent:
@@ -15,19 +15,18 @@ import signal
 import subprocess
 import sys
 
-from . import schema
-from .errors import DamagedFileError, NewerFormatError, StoreError
+from .errors import DamagedFileError, NewerFormatError
 
 LIMIT_S = 60.0
-_ENV_CHILD = "KDCACHE_PROBE_CHILD"  # set in the child: its own opens read the file directly
-_OK = 0
-_REFUSED = 3
-_REFUSED_OURS = 4  # refused after its kdcache metadata was found: a kdcache cache, damaged
+CHILD = False  # True in the child (probe_child): its own opens read the file directly
+OK = 0
+REFUSED = 3
+REFUSED_OURS = 4  # refused after its kdcache metadata was found: a kdcache cache, damaged
 _seen = {}
 
 
 def in_child():
-    return os.environ.get(_ENV_CHILD) == "1"
+    return CHILD
 
 
 def check(path, st, *, limit_s=None):
@@ -39,9 +38,8 @@ def check(path, st, *, limit_s=None):
             raise _seen[key]
         return
     limit = LIMIT_S if limit_s is None else limit_s
-    env = dict(os.environ, **{_ENV_CHILD: "1"})
     try:
-        r = subprocess.run([sys.executable, "-m", "kdcache.store.probe", os.fspath(path)], env=env,
+        r = subprocess.run([sys.executable, "-m", "kdcache.store.probe_child", os.fspath(path)],
                            stdin=subprocess.DEVNULL, capture_output=True, timeout=limit)
     except subprocess.TimeoutExpired:
         err = DamagedFileError(f"{path}: the HDF5 library did not finish reading this file's metadata in {limit:.0f} s "
@@ -49,12 +47,12 @@ def check(path, st, *, limit_s=None):
                                f"remove it (kdcache gc removes damaged caches) and rebuild it", ours=False)
     else:
         line = (r.stderr.decode("utf-8", "replace").strip().splitlines() or [""])[-1]
-        if r.returncode == _OK:
+        if r.returncode == OK:
             err = None
-        elif r.returncode == _REFUSED and line.startswith("newer:"):
+        elif r.returncode == REFUSED and line.startswith("newer:"):
             err = NewerFormatError(line[len("newer:"):].strip())
-        elif r.returncode in (_REFUSED, _REFUSED_OURS):
-            err = DamagedFileError(line, ours=r.returncode == _REFUSED_OURS)
+        elif r.returncode in (REFUSED, REFUSED_OURS):
+            err = DamagedFileError(line, ours=r.returncode == REFUSED_OURS)
         elif r.returncode < 0:
             name = signal.Signals(-r.returncode).name if -r.returncode in signal.Signals._value2member_map_ else \
                 f"signal {-r.returncode}"
@@ -67,38 +65,3 @@ def check(path, st, *, limit_s=None):
     _seen[key] = err
     if err is not None:
         raise err
-
-
-def _read_all(path, stage):
-    """What a reader reads of a finished file before its rows: every check store.housekeeping.final_spec
-    makes, every dataset's shape, type and attributes. `stage` records how far it got."""
-    from .housekeeping import final_spec
-    from .segment import open_final
-    with open_final(path) as f:
-        stage["ours"] = schema.A_FORMAT in f.attrs  # an HDF5 file with kdcache's metadata: a cache, damaged or not
-    final_spec(path, os.path.basename(path)[:-3] if path.endswith(".h5") else None)
-    with open_final(path) as f:
-        for k in f.keys():
-            f[k].shape, f[k].dtype, dict(f[k].attrs)
-
-
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    stage = {"ours": False}
-    try:
-        _read_all(argv[0], stage)
-    except NewerFormatError as e:
-        print(f"newer: {str(e).splitlines()[0]}", file=sys.stderr)
-        return _REFUSED
-    except Exception as e:  # noqa: BLE001 -- whatever HDF5 raises: one line, the parent decides
-        line = str(e).splitlines()[0] if str(e) else ""
-        if not isinstance(e, StoreError):
-            line = (f"{argv[0]}: unreadable ({type(e).__name__}: {line[:160]}): remove it (kdcache gc removes "
-                    f"damaged caches) and rebuild it")
-        print(line, file=sys.stderr)
-        return _REFUSED_OURS if stage["ours"] else _REFUSED
-    return _OK
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -125,6 +125,9 @@ def _not_ours(base):
         except DamagedFileError as e:
             if kind == "sealed" or e.ours:
                 return None  # kdcache's own, damaged: info says so and gc removes it
+            if "without kdcache metadata" in str(e):  # what the child that read it found
+                return "an HDF5 file without kdcache metadata"
+            return "an HDF5 file that cannot be opened (remove it by hand if it is a damaged cache)"
         except NotTrusted:
             return None  # info says so; never removed
             return "an HDF5 file that cannot be opened (remove it by hand if it is a damaged cache)"

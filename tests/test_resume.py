@@ -221,7 +221,7 @@ def test_content_is_compared_field_by_field():
 
 
 FLOATS = {"--val-fraction": st.sampled_from([0.0, 0.1, 0.25, 0.5]) | st.floats(0, 0.5),
-          "--temperature": st.sampled_from([1.0, 4.0, 20.0]) | st.floats(1e-3, 1000),
+          "--temperature": st.sampled_from([1.0, 4.0, 20.0]) | st.floats(0.01, 1000),  # the range it takes
           "--alpha": st.sampled_from([0.0, 0.5, 1.0]) | st.floats(0, 1),
           "--lr": st.sampled_from([0.01, 0.3]) | st.floats(1e-6, 10),
           "--momentum": st.sampled_from([0.0, 0.9]) | st.floats(0, 1),

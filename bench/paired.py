@@ -8,7 +8,8 @@ paired ratios. The median is known only to within its interval: the distribution
 a median from order statistics (the k-th smallest to the k-th largest ratio, k from the binomial
 distribution: min to max up to eight pairs, the 2nd to the 2nd-last from nine). Its half-width is the spread the report states. A floor that
 lies closer to 1.0 than that spread cannot be told from "no difference" at this spread: its verdict is
-UNMEASURABLE, with the spread, never PASS or MISS.
+UNMEASURABLE, with the spread, never PASS or MISS. One run states no spread at all: its floors are
+UNMEASURABLE too.
 """
 import math
 import statistics
@@ -44,6 +45,10 @@ def paired(ratios, floor, *, higher_is_better=True):
     if not r or not all(math.isfinite(x) and x > 0 for x in r):
         raise ValueError(f"paired ratios must be finite and positive, got {ratios!r}")
     med = statistics.median(r)
+    lim = f"{'>=' if higher_is_better else '<='} {floor}"
+    if len(r) < 2:  # no spread to state: not a verdict
+        return {"measured": round(med, 4), "runs": [round(x, 4) for x in r], "interval": None, "spread": None,
+                "limit": lim, "verdict": "UNMEASURABLE"}
     lo, hi = median_interval(r)
     spread = max(med - lo, hi - med)
     if abs(floor - 1.0) < spread:
@@ -51,10 +56,12 @@ def paired(ratios, floor, *, higher_is_better=True):
     else:
         v = "PASS" if (med >= floor if higher_is_better else med <= floor) else "MISS"
     return {"measured": round(med, 4), "runs": [round(x, 4) for x in r], "interval": [round(lo, 4), round(hi, 4)],
-            "spread": round(spread, 4), "limit": f"{'>=' if higher_is_better else '<='} {floor}", "verdict": v}
+            "spread": round(spread, 4), "limit": lim, "verdict": v}
 
 
 def shown(f):
     """A paired floor's figure as a table shows it: the median, its spread and the runs."""
+    if f["spread"] is None:
+        return f"{f['measured']:.3f} (one run: no spread)"
     return (f"{f['measured']:.3f} ±{f['spread']:.3f} (runs {', '.join(f'{x:.3f}' for x in f['runs'])})"
             + (": the floor is within the spread" if f["verdict"] == "UNMEASURABLE" else ""))

@@ -17,6 +17,9 @@ floors = st.floats(0.5, 2.0, allow_nan=False)
 def test_a_verdict_is_the_median_against_the_floor_unless_the_spread_covers_the_distance_to_1(r, floor, higher):
     f = paired(r, floor, higher_is_better=higher)
     med = statistics.median(r)
+    if len(r) == 1:  # one run states no spread: no verdict
+        assert f["verdict"] == "UNMEASURABLE" and f["spread"] is None and f["measured"] == round(r[0], 4)
+        return
     assert abs(f["measured"] - med) < 1e-4 and f["runs"] == [round(x, 4) for x in r]
     lo, hi = f["interval"]
     assert lo - 1e-4 <= f["measured"] <= hi + 1e-4
@@ -55,6 +58,7 @@ def test_the_issues_ten_pairs_cannot_decide_a_floor_3_percent_from_1():
     assert paired(quiet, 0.97)["verdict"] == "MISS" and paired(quiet, 0.90)["verdict"] == "PASS"
     assert paired([1.9, 2.1, 2.0], 1.5)["verdict"] == "PASS"  # far from 1: decided whatever the spread
     assert paired([1.04, 1.06, 1.08], 1.05, higher_is_better=False)["verdict"] == "MISS"
+    assert paired([2.0], 1.5)["verdict"] == "UNMEASURABLE"  # one run: no spread, however far from the floor
 
 
 @pytest.mark.parametrize("bad", [[], [0.0], [-1.0], [float("nan")], [float("inf")], [1.0, None]])

@@ -206,8 +206,14 @@ def test_an_unsealed_file_is_read_in_a_child_first_and_a_hang_there_is_one_line(
         CacheReader(p)
     took = time.monotonic() - t0
     assert 5.0 <= took < 15, took
-    r = kdcache("ls", "--cache-dir", str(tmp_path / "c"), timeout=200)  # the folder is listed past it
+    # the folder is listed past it: `kdcache ls` in a process of its own, its child's limit 5 s as above
+    ls = ("import sys; from kdcache.store import probe; probe.LIMIT_S = 5.0; from kdcache.cli import main; "
+          "sys.exit(main(sys.argv[1:]))")
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", ls, "ls", "--cache-dir", str(tmp_path / "c")], capture_output=True,
+                       text=True, env=CHILD_ENV, cwd=ROOT, timeout=200)
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stdout + r.stderr
+    assert os.path.basename(fin) in r.stderr and time.monotonic() - t0 < 60, r.stdout + r.stderr  # named, skipped
 
 
 def test_only_the_seal_check_opens_a_finished_file_with_hdf5():

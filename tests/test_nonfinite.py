@@ -6,6 +6,7 @@ import sys
 import h5py
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from tests.helpers import CHILD_ENV, expected_logits, make_spec, produce, reseal
 
@@ -297,6 +298,44 @@ def test_the_trainer_stops_at_the_first_non_finite_loss_naming_step_keys_and_cau
     assert "the teacher targets of sample 700 view 0 hold NaN or Inf" in line, line
     assert f"run `kdcache verify {path}`" in line, line
     assert not (tmp_path / "runs" / "x" / "student-0000.params").exists()  # no epoch finished on it
+
+
+def test_a_student_that_diverges_stops_the_run_naming_the_step_and_the_fix(tmp_path):
+    """Finite targets and images, a learning rate that blows the student up: the loss, read one step late (off
+    the critical path), stops the run at the first non-finite step, before any checkpoint holds the weights."""
+    r = kdcache(tmp_path, "train", "--teacher-mode", "none", "--lr", 10, "--lr-mode", "constant", "--wd", 0.1,
+                "--runs-dir", "runs", "--run", "x", "--epochs", 2, "--threads", 1, "--quiet", "--json",
+                "--val-fraction", 0)
+    line = one_error_line(r)
+    assert line.startswith("error: epoch 1 batch ") and " of 23: the loss is " in line, line
+    assert "the student diverged; lower the learning rate" in line and "Warning" not in r.stderr, r.stderr
+    assert not list((tmp_path / "runs" / "x").glob("student-*.params"))  # no epoch finished on it
+
+
+@given(st.integers(0, 4), st.sampled_from([np.nan, np.inf, -np.inf]), st.floats(-3e38, 3e38))
+@settings(max_examples=200, deadline=None)
+def test_host_finite_finds_any_non_finite_value_and_passes_any_finite_batch(where, bad, big):
+    from kdcache.trainer.loss import host_finite
+    x = np.full((3, 2, 4), big, dtype=np.float32)  # float32's largest values: a float32 sum would overflow
+    t = np.ones((3, 5), dtype=np.float32)
+    assert host_finite(x, t) and host_finite(x, None) and host_finite(np.zeros((0, 3), np.float32))
+    arr = [x, t][where % 2]
+    arr.reshape(-1)[where * 3 % arr.size] = bad
+    assert not host_finite(x, t)
+
+
+def test_late_loss_returns_each_step_one_step_late_and_names_the_step_that_was_not_finite():
+    import mxnet as mx
+    from kdcache.trainer.loss import LateLoss, NonFiniteLossError
+    late = LateLoss(cache="/c/abc")
+    steps = [mx.nd.array([1.0, 2.0]), mx.nd.array([3.0]), mx.nd.array([np.nan, 1.0])]
+    assert late.add([steps[0]], keys=np.array([0, 1]), where="step 1") == 0.0
+    assert late.add([steps[1]], keys=np.array([2]), where="step 2") == 3.0
+    assert late.add([steps[2]], keys=np.array([3, 4]), targets=np.zeros((2, 3)), where="step 3") == 3.0
+    with pytest.raises(NonFiniteLossError) as e:  # step 3's loss, read when the loop is done with it
+        late.flush()
+    assert str(e.value).startswith("step 3: the loss is nan (batch of sample 3 view 0, sample 4 view 0)"), e.value
+    assert late.flush() == 0.0  # nothing held after a flush
 
 
 # --- a user's own loop -------------------------------------------------------------------------

@@ -7,7 +7,16 @@ NOTE (non-finite losses): one NaN target makes its batch's loss NaN, and the fir
 step with it spreads NaN through every weight: the run goes on at loss nan and ends with a
 useless student. KDLoss cannot check its own output (it runs inside a hybridized graph, and a
 check there would wait for the device at every step), so `check_finite` is the check: call it
-where the loop reads the loss anyway, before the optimiser step. The trainer's loop does.
+where the loop reads the loss anyway, before the optimiser step.
+
+The trainer's loop keeps the check off the critical path (MXNet computes a step while Python
+prepares the next; a wait for the loss at every step takes that overlap away): the batch's
+targets and images are on the host, so `host_finite` finds a NaN or Inf there before the
+optimiser step without waiting for MXNet, and only then does the loop wait for that step's loss
+(check_finite, which names the keys and the cause); the loss itself is read one step late
+(`LateLoss`), when MXNet has long computed it. A loss that turns non-finite with finite targets
+and images (the student diverged) is found one step later than it happens: the run stops there,
+before any checkpoint holds the weights it spoiled.
 """
 import numpy as np
 from mxnet import gluon
@@ -59,7 +68,8 @@ def check_finite(loss, *, keys=None, targets=None, inputs=None, where="", cache=
     the message proposes.
     """
     parts = loss if isinstance(loss, (list, tuple)) else [loss]
-    total = float(sum(float(_numpy(x).sum()) for x in parts))
+    with np.errstate(over="ignore", invalid="ignore"):  # an overflowing loss is named below, not warned about
+        total = float(sum(float(np.sum(_numpy(x), dtype=np.float64)) for x in parts))
     if np.isfinite(total):
         return total
     idx, views = (keys if isinstance(keys, tuple) else (keys, 0)) if keys is not None else (None, 0)
@@ -86,6 +96,32 @@ def check_finite(loss, *, keys=None, targets=None, inputs=None, where="", cache=
     finite = "targets and inputs" if inputs is not None else "targets"
     raise NonFiniteLossError(f"{head}{shown}, with finite {finite}: the student diverged; lower the learning "
                              f"rate (--lr) or the temperature, or raise the weight decay")
+
+
+def host_finite(*arrays):
+    """True when every value of these host arrays (numpy; None skipped) is finite: one float64 sum each, which
+    NaN or Inf anywhere makes non-finite and no float32 values can overflow. No copy, no wait for a device."""
+    return all(a is None or np.isfinite(np.sum(a, dtype=np.float64)) for a in arrays)
+
+
+class LateLoss:
+    """A loop's losses read one step late (NOTE above): add() holds this step's loss and returns the step
+    before's, checked by check_finite with that step's keys, targets and images; flush() returns the last
+    one. Reading a loss MXNet computed a step ago does not wait, so the device stays busy."""
+
+    def __init__(self, cache=None):
+        self.cache = cache
+        self._held = None
+
+    def add(self, losses, **kw):
+        """This step's losses (and check_finite's keys, targets, inputs, where); the step before's sum, 0.0 at first."""
+        held, self._held = self._held, (losses, kw)
+        return 0.0 if held is None else check_finite(held[0], cache=self.cache, **held[1])
+
+    def flush(self):
+        """The held step's sum (0.0 when none), checked; nothing is held after it."""
+        held, self._held = self._held, None
+        return 0.0 if held is None else check_finite(held[0], cache=self.cache, **held[1])
 
 
 class KDLoss(gluon.loss.Loss):

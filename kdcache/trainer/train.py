@@ -18,7 +18,7 @@ from kdcache.pipeline.interrupts import Interrupts
 from kdcache.pipeline.schedule import EpochDigests, epoch_batches, schedule, steps_per_epoch, view_of_epoch
 from kdcache.store import ProducerGoneError
 from kdcache.trainer.checkpoint import load_checkpoint, save_checkpoint
-from kdcache.trainer.loss import KDLoss, check_finite
+from kdcache.trainer.loss import KDLoss, LateLoss, check_finite, host_finite
 from kdcache.trainer.models import check_student, get_model, model_identity
 from kdcache.trainer.options import recorded
 from kdcache.trainer.prefetch import Prefetcher
@@ -260,6 +260,7 @@ def run(args, plan, targets, threads, cores):
                        dynamic_ncols=True, leave=not args.quiet)
             t0 = time.perf_counter()
             tot_loss, last_report, stall_before, epoch_seen = 0.0, 0.0, 0.0, 0
+            late = LateLoss(targets.cache_path)  # the losses, read one step late (trainer.loss NOTE)
             # the global batches' sizes without their validation items (dist_sync normalises by them)
             global_sizes = [int((~is_val[b]).sum()) for b in epoch_batches(args.seed, epoch, n, args.batch_size)]
             epoch_lr = None
@@ -281,10 +282,14 @@ def run(args, plan, targets, threads, cores):
                     with autograd.record():
                         losses = [loss_fn(net(a), b, c) for a, c, b in zip(xs, ys, ts)]
                     autograd.backward(losses)
-                    # read before the step: a NaN target would put NaN into every weight (trainer.loss NOTE)
-                    tot_loss += check_finite(losses, keys=(st.indices, st.view), targets=t if t is not None else (),
-                                             inputs=x, where=f"epoch {epoch + 1} batch {st.step + 1} of {spe}",
-                                             cache=targets.cache_path)
+                    # Off the critical path (trainer.loss NOTE): a NaN target would put NaN into every weight, so
+                    # the host's targets and images are checked before the step, and only where they hold NaN or
+                    # Inf does the loop wait for this step's loss (check_finite names the keys and the cause).
+                    check = dict(keys=(st.indices, st.view), targets=t if t is not None else (), inputs=x,
+                                 where=f"epoch {epoch + 1} batch {st.step + 1} of {spe}")
+                    read_now = not host_finite(x, t)
+                    if read_now:
+                        tot_loss += late.flush() + check_finite(losses, cache=targets.cache_path, **check)
                     # the global batch: dist_sync sums the workers' gradients
                     if workers == 1:
                         trainer.step(x.shape[0])
@@ -292,6 +297,8 @@ def run(args, plan, targets, threads, cores):
                         trainer.step(global_sizes[st.step])
                     else:  # dist_async updates on the server with one fixed normalisation
                         trainer.step(args.batch_size)
+                    if not read_now:
+                        tot_loss += late.add(losses, **check)  # the step before's loss, computed by now
                     if epoch_lr is None:  # the rate the optimiser used for the epoch's first update
                         epoch_lr = trainer.learning_rate if args.kvstore != "dist_async" else \
                             lr_schedule.at_epoch(epoch)
@@ -306,6 +313,7 @@ def run(args, plan, targets, threads, cores):
                         targets.report_position(st, epoch=epoch, run=run_name)
                         bar.set_postfix(loss=f"{tot_loss / max(1, epoch_seen):.4f}",
                                         stall=f"{pf.stall_s:.1f}s", refresh=False)
+                tot_loss += late.flush()
             except ProducerGoneError as e:
                 raise targets.gone(e) from None
             finally:

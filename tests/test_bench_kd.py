@@ -13,7 +13,7 @@ SCENARIOS = ("student_only", "inline", "inline_async", "online", "warm", "ring")
 @pytest.mark.slow
 def test_bench_kd_quick_writes_report_and_plot(tmp_path):
     (tmp_path / "results").mkdir()  # run_bench's --out: a file in a folder that exists
-    proc, report = run_bench("kd", tmp_path, timeout=580)
+    proc, report = run_bench("kd", tmp_path, "--rounds", 2, timeout=580)
     rows = {(r["pair"], r["scenario"]): r for r in report["results"]}
     for pair in PAIRS:
         for sc in SCENARIOS:
@@ -36,23 +36,30 @@ def test_bench_kd_quick_writes_report_and_plot(tmp_path):
         # the trainer never had to start a third process for the teacher's test accuracy
         assert not any(r["test_producer_started"] for r in report["results"])
 
-    # Every floor has a verdict (speed floors are for the report, not for tests: machines are noisy).
-    assert len(report["floors"]) == 8
-    assert {f["verdict"] for f in report["floors"].values()} <= {"PASS", "MISS"}
+    # Every floor has a verdict (speed floors are for the report, not for tests: machines are noisy), decided
+    # on the two rounds' paired ratios: their median, their spread (two pairs: the range) and each round's.
+    assert len(report["floors"]) == 8 and report["rounds"] == 2
+    for f in report["floors"].values():
+        assert f["verdict"] in ("PASS", "MISS", "UNMEASURABLE") and len(f["runs"]) == 2
+        assert abs(f["measured"] - sum(f["runs"]) / 2) < 1e-3 and f["interval"] == sorted(f["runs"])
+        assert f["spread"] == round(max(f["measured"] - min(f["runs"]), max(f["runs"]) - f["measured"]), 4)
+    for pair in PAIRS:
+        w = report["floors"][f"warm_vs_student_only:{pair}"]
+        warm, so = rows[(pair, "warm")], rows[(pair, "student_only")]
+        assert [round(a / b, 4) for a, b in zip(warm["runs_samples_per_s"], so["runs_samples_per_s"])] == w["runs"]
     for pair in PAIRS:
         c = report["calibration"]["pairs"][pair]
         assert positive(c["ratio"]) and positive(c["forward_ms"]) and positive(c["student_step_ms"])
         st = report["stages"][pair]
-        assert positive(st["teacher_alone_epoch_s"]) and len(st["teacher_alone_passes_rows_per_s"]) == 1
-        # the epoch-1 floors: each run's figure, its median the measure (--quick: one run)
+        assert positive(st["teacher_alone_epoch_s"]) and len(st["teacher_alone_passes_epoch_s"]) == 2
+        # the epoch-1 floors: round r's epoch 1 over round r's slowest stage alone
         so = rows[(pair, "student_only")]
-        assert so["epoch1_runs"] == [so["epoch1_s"]] == [st["student_alone_epoch1_s"]]
-        slowest = max(st["teacher_alone_epoch_s"], st["student_alone_epoch1_s"])
+        assert len(so["epoch1_runs"]) == 2 and abs(so["epoch1_s"] - sum(so["epoch1_runs"]) / 2) < 1e-6
+        slowest = [max(t, s) for t, s in zip(st["teacher_alone_passes_epoch_s"], so["epoch1_runs"])]
         for sc in ("online", "ring"):
             f = report["floors"][f"{sc}_epoch1_vs_slowest_stage:{pair}"]
-            assert rows[(pair, sc)]["epoch1_runs"] == [rows[(pair, sc)]["epoch1_s"]]
-            assert f["runs_measured"] == [f["measured"]]
-            assert abs(f["measured"] - rows[(pair, sc)]["epoch1_s"] / slowest) < 1e-3
+            runs = rows[(pair, sc)]["epoch1_runs"]
+            assert all(abs(a - e / s) < 2e-3 for a, e, s in zip(f["runs"], runs, slowest)), (f, runs, slowest)
             assert rows[(pair, sc)]["epoch1_start_after_launch_s"] > 0 and f["startup_wait_s"] >= 0
     assert report["quick"] is True and report["date"] and report["machine"]["mxnet"]
     assert report["gpu"]["skipped"] in (True, False)

@@ -1,8 +1,8 @@
 """KD end to end: the student alone, inline KD, inline on MXNet's async engine, and kdcache (online, warm, ring).
 
-    python -m bench.kd [--quick] [--out bench/results/kd.json] [--tmp DIR]
+    python -m bench.kd [--quick] [--rounds N] [--out bench/results/kd.json] [--tmp DIR]
 
-A full run takes about 14 min on 2 idle cores, --quick about 2 min (16 MXNet processes' start-up).
+A full run (5 rounds) takes about 25 min on 2 idle cores, --quick (3 rounds) under 3 min.
 
 This process never imports MXNet; every MXNet process is a child with OMP_NUM_THREADS=1 (the
 only knob that limits MXNet's compute threads, fixed before `import mxnet`). On this CPU-only
@@ -11,7 +11,7 @@ machine two devices are emulated by two cores: where the teacher and the student
 where they run together (inline) they share the student's one core, as on one GPU.
 
 Data: `synthetic` 3x32x32, 10 classes, sized from the measured student step so that one student
-epoch takes about 10 s (--quick: 1.5 s); 2 epochs (--quick: 1). Student: `small_cnn`. Two
+epoch takes about 6 s (--quick: 1.5 s); 2 epochs (--quick: 1). Student: `small_cnn`. Two
 teachers, exported here (explicit prefix, fixed seed): a VGG-style CNN whose width (a multiple
 of 8) and depth are calibrated so that its forward of a batch takes about 1/3 (light) or 2x
 (heavy) the student's training step on the same batch, both on one thread; the measured ratios
@@ -32,10 +32,12 @@ Scenarios, for each pair, each with a fresh cache directory where one is used:
   ring           --store ring: streamed through shared memory, nothing persisted
 Floors use two more measurements of each pair: "teacher alone" (the producer's offline loop,
 cache_builder.produce.produce_offline, as `python -m kdcache.cache_builder --threads 1` runs it in a process
-of its own, filling the train split into a fresh cache: rows/s of the loop -> seconds per epoch; the
-median of 3 passes, --quick 1) and "student alone" (student_only's epoch 1). Epochs vary by several
-per cent from run to run here, so student_only, online and ring run twice more (one epoch each,
-round robin; not in --quick) and the epoch-1 floors compare medians of 3 runs; every run is reported.
+of its own, filling the train split into a fresh cache: rows/s of the loop -> seconds per epoch) and
+"student alone" (student_only's epoch 1). Runs here vary by several per cent from one to the next, so
+everything runs in rounds (--rounds, default 5, --quick 3): each round runs the teacher alone and every
+scenario of each pair once, in ORDER (reversed after `online` every second round); every floor is decided
+on the median of the rounds' paired ratios (warm / student_only of the same round, ...) and its spread
+(bench.paired NOTE: a floor closer to 1.0 than the spread is UNMEASURABLE, not PASS or MISS).
 
 Each trainer and producer is watched by a /proc poller (every 0.2 s: VmHWM of the trainer and
 of its children), and the CPU time the other processes of the machine used meanwhile is recorded

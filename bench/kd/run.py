@@ -5,18 +5,19 @@ import statistics
 
 from bench.common import (ROOT, busy_warning, child_env, floors_line, heading, machine_line, md_table, python_m,
                           for_the_manual, spread, verdict)
-from bench.cli import OUTPUT, out_option, quick_option, tmp_option
-from bench.kd.scenarios import (BATCH, ORDER, REQUIRED, RSS, SEED, STUDENT, TARGETS, THREADS, log, plot_online,
-                                repeat_epoch1, result_rows, rounded, run_pair, teacher_alone)
-from kdcache.args import Option, OutFile
+from bench.cli import OUTPUT, RUN, out_option, quick_option, tmp_option
+from bench.kd.scenarios import (BATCH, ORDER, REQUIRED, RSS, SEED, STUDENT, TARGETS, THREADS, alone_summary, log,
+                                merged, plot_online, result_rows, rounded, run_rounds)
+from bench.paired import paired, shown
+from kdcache.args import Int, Option, OutFile
 
 DEFAULT_OUT = os.path.join("bench", "results", "kd.json")
 PNG_NAME = "kd_online.png"
 
-# Sizes: full run (~14 min on 2 idle cores) and --quick (~2 min: 16 MXNet processes' start-up).
-# repeats: passes of each teacher alone, and runs of each epoch-1 floor's scenarios.
-FULL = dict(epoch_s=10.0, min_steps=30, max_steps=400, epochs=2, reps=7, tries=4, repeats=3)
-QUICK = dict(epoch_s=1.5, min_steps=6, max_steps=40, epochs=1, reps=3, tries=1, repeats=1)
+# Sizes: full run and --quick. rounds: how many times every scenario and the teacher alone run, interleaved
+# (bench.paired NOTE): the floors are decided on the rounds' paired ratios.
+FULL = dict(epoch_s=6.0, min_steps=30, max_steps=400, epochs=2, reps=7, tries=4, rounds=5)
+QUICK = dict(epoch_s=1.5, min_steps=6, max_steps=40, epochs=1, reps=3, tries=1, rounds=3)
 
 OPTIONS = [
     quick_option("a data set of a few seconds per epoch (figures noisier)"),
@@ -24,11 +25,17 @@ OPTIONS = [
     Option("--png", f"plot path (default: {PNG_NAME} beside --out)", type=OutFile(), metavar="FILE", group=OUTPUT),
     tmp_option("directory for teachers, caches and runs, kept there for inspection (runs, logs; default: a "
                "temporary folder, removed)"),
+    Option("--rounds", f"times every scenario runs, interleaved; floors are decided on the paired ratios' median "
+           f"(default {FULL['rounds']}, --quick {QUICK['rounds']})", type=Int(1, 50), metavar="N", group=RUN),
 ]
 
 FLOORS = {"warm_vs_student_only": 0.97,           # warm samples/s >= 0.97 x student_only samples/s
           "epoch1_vs_slowest_stage": 1.05,        # online/ring epoch 1 <= 1.05 x max(teacher alone, student alone)
-          "vs_inline_heavy": 1.5}                 # online/ring samples/s >= 1.5 x inline's, heavy pair
+          "vs_inline_heavy": 1.5,                 # online samples/s >= 1.5 x inline's, heavy pair
+          # The ring pays the slower stage every epoch, so against inline (both stages every epoch) it can reach
+          # (student + teacher) / slower stage at most: 1.5 exactly for a teacher at 2x the student's step. Its floor
+          # is a share of that ceiling (from the same round's stages alone), not a figure at the ceiling itself.
+          "ring_vs_ceiling_heavy": 0.95}          # (ring samples/s / inline's) / the ceiling >= 0.95, heavy pair
 
 
 def pair_table(rows):
@@ -65,7 +72,11 @@ def render(report):
 
     def of(name, pairs):
         found = [fl[f"{name}:{p}"] for p in pairs if f"{name}:{p}" in fl]
-        return found, "PASS" if all(f["verdict"] == "PASS" for f in found) else "MISS"
+        verdicts = {f["verdict"] for f in found}
+        return found, "MISS" if "MISS" in verdicts else "UNMEASURABLE" if "UNMEASURABLE" in verdicts else "PASS"
+
+    def pm(f):
+        return f"{f['measured']:.2f}" + ("" if f.get("spread") is None else f" ±{f['spread']:.2f}")
 
     def slowest(pair):
         st = stages[pair]
@@ -74,69 +85,77 @@ def render(report):
     lines = []
     found, v = of("warm_vs_student_only", TARGETS)
     lines.append([f"warm >= {FLOORS['warm_vs_student_only']} x student alone",
-                  ", ".join(f"{f['measured']:.2f} ({f['pair']})" for f in found), v])
-    for sc in ("online", "ring"):
-        found, v = of(f"{sc}_vs_inline_heavy", ["heavy"])
-        ceiling = f" (ceiling at this calibration: {found[0]['ideal_from_stages']:.3f})" if sc == "ring" and found else ""
-        lines.append([f"{sc} >= {FLOORS['vs_inline_heavy']} x inline, heavy teacher (samples/s)",
-                      "".join(f"{f['measured']:.2f}" for f in found) + ceiling, v])
+                  ", ".join(f"{pm(f)} ({f['pair']})" for f in found), v])
+    found, v = of("online_vs_inline_heavy", ["heavy"])
+    lines.append([f"online >= {FLOORS['vs_inline_heavy']} x inline, heavy teacher (samples/s)",
+                  "".join(pm(f) for f in found), v])
+    found, v = of("ring_vs_inline_heavy", ["heavy"])
+    lines.append([f"ring >= {FLOORS['ring_vs_ceiling_heavy']} x its ceiling against inline, heavy teacher (samples/s)",
+                  "".join(f"{pm(f)} ({f['vs_inline']:.2f}x inline; ceiling {f['ideal_from_stages']:.3f})"
+                          if "vs_inline" in f else pm(f) for f in found), v])
     for sc in ("online", "ring"):
         found, v = of(f"{sc}_epoch1_vs_slowest_stage", TARGETS)
         lines.append([f"{sc} epoch 1 <= {FLOORS['epoch1_vs_slowest_stage']} x slowest stage alone",
-                      ", ".join(f"{f['measured']:.3f} ({f['pair']}" + (f": {slowest(f['pair'])})" if sc == "online" else ")")
+                      ", ".join(f"{pm(f)} ({f['pair']}" + (f": {slowest(f['pair'])})" if sc == "online" else ")")
                                 for f in found), v])
-    return [("", scenarios), ("Floors:", md_table(["floor", "measured", "verdict"], lines, pad=False))]
+    n = report.get("rounds", 1)
+    return [("", scenarios), (f"Floors (median of {n} paired round(s) ± the spread: the half-width of the median's "
+                              f"~95% interval, bench.paired):", md_table(["floor", "measured", "verdict"], lines,
+                                                                         pad=False))]
 
 
 # -- floors ------------------------------------------------------------------------------------------------
 def floors(by, alone):
-    """Every floor's measured value, limit and verdict (PASS/MISS), for the CPU section."""
+    """Every floor of the CPU section, decided on the rounds' paired ratios (bench.paired): run r of a
+    scenario against run r of its reference, which ran beside it."""
     out = []
     for pair in TARGETS:
-        so, warm = by[pair]["student_only"], by[pair]["warm"]
-        v = warm["samples_per_s"] / so["samples_per_s"]
-        out.append({"floor": "warm_vs_student_only", "pair": pair, "measured": round(v, 4),
-                    "limit": f">= {FLOORS['warm_vs_student_only']}",
-                    "verdict": verdict(v, FLOORS["warm_vs_student_only"]),
-                    "compares": "samples/s of warm / samples/s of student_only"})
-        so_runs = so.get("epoch1_runs") or [so["epoch1_s"]]
-        slowest = max(alone[pair]["epoch_s"], statistics.median(so_runs))
-        stage = "teacher" if alone[pair]["epoch_s"] >= statistics.median(so_runs) else "student"
-        alone_txt = (f"median of {len(alone[pair]['passes_rows_per_s'])} passes" if stage == "teacher" else
-                     f"median of {len(so_runs)} runs: {', '.join(f'{e:.2f}' for e in so_runs)}")
+        rounds, passes = by[pair], alone[pair]
+        f = paired([r["warm"]["samples_per_s"] / r["student_only"]["samples_per_s"] for r in rounds],
+                   FLOORS["warm_vs_student_only"])
+        out.append({"floor": "warm_vs_student_only", "pair": pair, **f,
+                    "compares": "samples/s of warm / samples/s of student_only, round by round"})
+        slowest = [max(a["epoch_s"], r["student_only"]["epoch1_s"]) for a, r in zip(passes, rounds)]
+        stages = ["teacher" if a["epoch_s"] >= r["student_only"]["epoch1_s"] else "student"
+                  for a, r in zip(passes, rounds)]
         for sc in ("online", "ring"):
-            r = by[pair][sc]
-            runs = r.get("epoch1_runs") or [r["epoch1_s"]]
-            waits = [(st or {}).get("first_step_wait_s") for st in (r.get("startup_runs") or [r.get("startup")])]
-            v = statistics.median(runs) / slowest
-            out.append({"floor": f"{sc}_epoch1_vs_slowest_stage", "pair": pair, "measured": round(v, 4),
-                        "limit": f"<= {FLOORS['epoch1_vs_slowest_stage']}",
-                        "verdict": verdict(v, FLOORS["epoch1_vs_slowest_stage"], higher_is_better=False),
-                        "compares": f"epoch-1 s of {sc} (median of {len(runs)} runs: "
-                                    f"{', '.join(f'{e:.2f}' for e in runs)}; start-up inside) / slowest stage alone "
-                                    f"({stage}: {slowest:.2f} s, {alone_txt})",
-                        "runs_measured": [round(e / slowest, 4) for e in runs],
-                        # informative: the same without the first step's wait for the producer's start-up
+            runs = [r[sc]["epoch1_s"] for r in rounds]
+            waits = [(r[sc].get("startup") or {}).get("first_step_wait_s") for r in rounds]
+            f = paired([e / s_ for e, s_ in zip(runs, slowest)], FLOORS["epoch1_vs_slowest_stage"],
+                       higher_is_better=False)
+            out.append({"floor": f"{sc}_epoch1_vs_slowest_stage", "pair": pair, **f,
+                        "compares": f"epoch-1 s of {sc} (start-up inside) / the slowest stage alone in the same "
+                                    f"round ({', '.join(f'{st} {s_:.2f} s' for st, s_ in zip(stages, slowest))})",
                         "startup_wait_s": None if None in waits else round(statistics.median(waits), 3),
+                        # informative: the same without the first step's wait for the producer's start-up
                         "measured_without_startup_wait": None if None in waits else
-                        round(statistics.median(e - w for e, w in zip(runs, waits)) / slowest, 4)})
-    inline = by["heavy"]["inline"]
-    so = by["heavy"]["student_only"]
-    s_, t_ = statistics.median(so.get("epoch1_runs") or [so["epoch1_s"]]), alone["heavy"]["epoch_s"]
-    for sc in ("online", "ring"):
-        r = by["heavy"][sc]
-        v = r["samples_per_s"] / inline["samples_per_s"]
-        e1 = inline["epoch1_s"] / r["epoch1_s"]
+                        round(statistics.median((e - w) / s_ for e, w, s_ in zip(runs, waits, slowest)), 4)})
+    rounds, passes = by["heavy"], alone["heavy"]
+    s_ = statistics.median(r["student_only"]["epoch1_s"] for r in rounds)
+    t_ = statistics.median(a["epoch_s"] for a in passes)
+    def ideal(sc, s, t, e):
         # The best any pipeline can do from the stages' own times: inline pays student + teacher every
         # epoch; the ring pays the slower stage every epoch; the cache pays it once, then the student.
-        e = r["epochs"]
-        ideal = e * (s_ + t_) / (e * max(s_, t_) if sc == "ring" else max(s_, t_) + (e - 1) * s_)
-        out.append({"floor": f"{sc}_vs_inline_heavy", "pair": "heavy", "measured": round(v, 4),
-                    "limit": f">= {FLOORS['vs_inline_heavy']}", "verdict": verdict(v, FLOORS["vs_inline_heavy"]),
-                    "compares": f"samples/s of {sc} / samples/s of inline, over {e} epoch(s) of training time "
-                                f"(epoch-1 time of inline / of {sc}: {e1:.3f}; ideal from the stages alone, no "
-                                f"start-up: {ideal:.3f})",
-                    "epoch1_ratio": round(e1, 4), "ideal_from_stages": round(ideal, 4)})
+        return e * (s + t) / (e * max(s, t) if sc == "ring" else max(s, t) + (e - 1) * s)
+    for sc in ("online", "ring"):
+        e = rounds[0][sc]["epochs"]
+        vs_inline = [r[sc]["samples_per_s"] / r["inline"]["samples_per_s"] for r in rounds]
+        ceilings = [ideal(sc, r["student_only"]["epoch1_s"], a["epoch_s"], e) for r, a in zip(rounds, passes)]
+        if sc == "online":
+            f = paired(vs_inline, FLOORS["vs_inline_heavy"])
+        else:
+            f = paired([v / c for v, c in zip(vs_inline, ceilings)], FLOORS["ring_vs_ceiling_heavy"])
+        e1 = statistics.median(r["inline"]["epoch1_s"] / r[sc]["epoch1_s"] for r in rounds)
+        out.append({"floor": f"{sc}_vs_inline_heavy", "pair": "heavy", **f,
+                    "compares": (f"samples/s of {sc} / samples/s of inline" if sc == "online" else
+                                 "(samples/s of ring / samples/s of inline) / its ceiling from the same round's stages")
+                                + f", round by round, over {e} epoch(s) of training time (epoch-1 time of inline / "
+                                  f"of {sc}: {e1:.3f}, median; ideal from the stages alone, no start-up: "
+                                  f"{ideal(sc, s_, t_, e):.3f})",
+                    "vs_inline": paired(vs_inline, FLOORS["vs_inline_heavy"])["measured"],
+                    "vs_inline_runs": [round(v, 4) for v in vs_inline],
+                    "epoch1_ratio": round(e1, 4), "ideal_from_stages": round(ideal(sc, s_, t_, e), 4),
+                    "ceilings": [round(c, 4) for c in ceilings]})
     return out
 
 
@@ -145,9 +164,9 @@ def floors_table(fl):
         if f.get("measured_without_startup_wait") is None:
             return ""
         return f"{f['measured_without_startup_wait']:.3f} (first wait {f['startup_wait_s']:.2f} s, median)"
-    return md_table(["floor", "pair", "measured", "limit", "verdict", "without start-up wait", "compares"],
-                    [[f["floor"], f["pair"], f"{f['measured']:.3f}", f["limit"], f["verdict"], aside(f), f["compares"]]
-                     for f in fl])
+    return md_table(["floor", "pair", "median ± spread (runs)", "limit", "verdict", "without start-up wait",
+                     "compares"],
+                    [[f["floor"], f["pair"], shown(f), f["limit"], f["verdict"], aside(f), f["compares"]] for f in fl])
 
 
 # -- the run -----------------------------------------------------------------------------------------------
@@ -157,8 +176,11 @@ DESCRIPTION = ("kdcache end to end: student alone, inline KD, inline on the asyn
 
 
 def params(parser, args):
-    """The sizes of a full or a quick run."""
-    return QUICK if args.quick else FULL
+    """The sizes of a full or a quick run (--rounds over either's)."""
+    p = dict(QUICK if args.quick else FULL)
+    if args.rounds is not None:
+        p["rounds"] = args.rounds
+    return p
 
 
 def run(kids, args, p, root):
@@ -172,32 +194,29 @@ def run(kids, args, p, root):
     prep = kids.run(python_m("bench.kd.children", "prepare", "--root", root, "--sizes", json.dumps(sizes)),
                     "prepare", env=child_env(THREADS), log_dir=root, cwd=root, rss=RSS)
     n, steps, dataset, epochs = prep["n"], prep["steps_per_epoch"], prep["dataset"], p["epochs"]
-    alone = {pair: teacher_alone(pair, c["prefix"], dataset, root, kids, p["repeats"])
-             for pair, c in prep["pairs"].items()}
     for pair, c in prep["pairs"].items():
         log(f"  {pair}: width {c['width']} + {c['extra_convs']} convs, forward {c['forward_ms']:.1f} ms vs "
             f"student step {c['step_ms']:.1f} ms per batch of {BATCH}: ratio {c['ratio']:.3f} (target "
-            f"{c['target']:.3f}); teacher alone {alone[pair]['rows_per_s']:.0f} rows/s = "
-            f"{alone[pair]['epoch_s']:.2f} s per epoch (median of "
-            f"{', '.join(f'{v:.0f}' for v in alone[pair]['passes_rows_per_s'])} rows/s)")
+            f"{c['target']:.3f})")
     log(f"data set {dataset}: {steps} steps of {BATCH} per epoch (~{steps * prep['student_step_ms'] / 1e3:.1f} s "
-        f"of student), {epochs} epoch(s)")
+        f"of student), {epochs} epoch(s), {p['rounds']} round(s) of every scenario")
     scenarios = [sc for sc in ORDER if sc in REQUIRED or not args.quick]
 
-    by = {}
-    for pair in TARGETS:
-        log(f"pair {pair}")
-        by[pair] = repeat_epoch1(pair, prep, root, kids, run_pair(pair, prep, epochs, root, kids,
-                                                                   scenarios=scenarios), p["repeats"])
+    rounds, passes = run_rounds(prep, epochs, root, kids, scenarios, p["rounds"])
+    by = {pair: merged(rounds[pair]) for pair in TARGETS}
+    alone = {pair: alone_summary(passes[pair]) for pair in TARGETS}
+    fl = floors(rounds, passes)
+    for f in fl:
+        log(f"  {f['floor']} ({f['pair']}): {shown(f)} {f['limit']}: {f['verdict']}")
     gpu = {"skipped": True, "reason": "MXNet sees no GPU (mxnet.context.num_gpus() == 0): CPU-only machine",
            "results": []}
     if prep.get("num_gpus", 0) > 0:
         gpu = {"skipped": False, "reason": None, "ctx": "gpu:0", "results": [], "error": None}
         try:
+            log("GPU section (student on gpu:0, teacher on the CPU), one round")
+            gpu_rounds, _ = run_rounds(prep, epochs, root, kids, scenarios, 1, ctx="gpu:0")
             for pair in TARGETS:
-                log(f"GPU section, pair {pair} (student on gpu:0, teacher on the CPU)")
-                runs = run_pair(pair, prep, epochs, root, kids, ctx="gpu:0", scenarios=scenarios)
-                gpu["results"] += result_rows(pair, runs, "gpu")
+                gpu["results"] += result_rows(pair, merged(gpu_rounds[pair]), "gpu")
         except RuntimeError as e:  # keep the CPU section's report; the exit status says it failed
             gpu["error"] = str(e)
             log(f"GPU section failed: {e}")
@@ -210,7 +229,6 @@ def run(kids, args, p, root):
     load_end = os.getloadavg()
 
     results = [row for pair in TARGETS for row in result_rows(pair, by[pair], "cpu")]
-    fl = floors(by, alone)
     calibration = {"student": STUDENT, "batch": BATCH, "threads": THREADS,
                    "student_step_ms": round(prep["student_step_ms"], 2),
                    "pairs": {k: {"width": v["width"], "extra_convs": v["extra_convs"], "forward_ms": round(v["forward_ms"], 2),
@@ -224,6 +242,7 @@ def run(kids, args, p, root):
                      "teacher_alone_loop_s": round(alone[pair]["loop_s"], 3),
                      "teacher_alone_forward_s": round(alone[pair]["teacher_s"], 3),
                      "teacher_alone_passes_rows_per_s": alone[pair]["passes_rows_per_s"],
+                     "teacher_alone_passes_epoch_s": [round(v, 3) for v in alone[pair]["passes_epoch_s"]],
                      "student_alone_epoch1_s": statistics.median(by[pair]["student_only"]["epoch1_runs"]),
                      "student_alone_epoch1_runs": by[pair]["student_only"]["epoch1_runs"]} for pair in TARGETS}
     others = spread(r["other_processes_cores"] for r in results)
@@ -231,6 +250,7 @@ def run(kids, args, p, root):
         "results": results,
         "floors": {f"{f['floor']}:{f['pair']}": f for f in fl},
         "all_pass": all(f["verdict"] == "PASS" for f in fl),
+        "rounds": p["rounds"],
         "calibration": calibration,
         "stages": stages,
         "startup": {pair: {sc: by[pair][sc].get("startup") for sc in ("online", "ring")} for pair in TARGETS},
@@ -252,7 +272,7 @@ def show(report):
     results, calibration, stages, gpu = report["results"], report["calibration"], report["stages"], report["gpu"]
     fl, st_, ld = list(report["floors"].values()), report["settings"], report["load"]
     dataset, steps, epochs = st_["dataset"], st_["steps_per_epoch"], st_["epochs"]
-    repeats = len(next(iter(stages.values()))["teacher_alone_passes_rows_per_s"])
+    repeats = report.get("rounds", 1)
     print(heading("kdcache KD benchmark", report["quick"], report["runtime_s"]))
     print(machine_line(report["machine"]))
     print(f"load average (1/5/15 min): {' '.join(f'{v:.2f}' for v in ld['loadavg_start'])} at the start, "
@@ -274,8 +294,10 @@ def show(report):
           "pipeline.teacher (the producer's and inline mode's runner). Teacher alone: the producer's offline loop "
           "(cache_builder.produce.produce_offline) as `python -m kdcache.cache_builder --threads 1` runs it in a process of "
           f"its own, filling the train split into a fresh cache, nothing else running: rows/s of the loop (start-up "
-          f"excluded), median of {repeats} pass(es). Student alone: student_only's epoch 1, median of "
-          f"{repeats} run(s).\n")
+          f"excluded), one pass per round, median of {repeats}. Student alone: student_only's epoch 1, median of "
+          f"{repeats} run(s). Every scenario ran {repeats} time(s), interleaved (round by round, the order reversed "
+          f"every second round); each figure below is the median of its rounds, each floor the median of the "
+          f"rounds' paired ratios.\n")
     for pair in TARGETS:
         rows = [r for r in results if r["pair"] == pair]
         print(f"## {pair} teacher (forward {calibration['pairs'][pair]['ratio']:.2f}x the student's step)\n")
@@ -313,8 +335,13 @@ def show(report):
         for pair in TARGETS:
             print(f"### {pair} teacher, student on gpu:0, teacher on the CPU\n")
             print(pair_table([r for r in gpu["results"] if r["pair"] == pair]) + "\n")
-    missed = [f"{f['floor']} ({f['pair']})" for f in fl if f["verdict"] != "PASS"]
+    missed = [f"{f['floor']} ({f['pair']})" for f in fl if f["verdict"] == "MISS"]
     print(floors_line(missed))
+    unmeasurable = [f"{f['floor']} ({f['pair']}, " + ("one run" if f["spread"] is None else f"±{f['spread']:.3f}") + ")"
+                    for f in fl if f["verdict"] == "UNMEASURABLE"]
+    if unmeasurable:
+        print(f"Unmeasurable at this run's spread (the floor lies closer to 1.0 than the spread; more --rounds "
+              f"narrow it): {', '.join(unmeasurable)}.")
     print("\n" + for_the_manual(render(report)))
     print(f"Plot: {report['plot']}")
     return 1 if gpu.get("error") else 0

@@ -2,6 +2,7 @@
 import json
 import os
 import shutil
+import statistics
 
 import numpy as np
 
@@ -17,13 +18,21 @@ TARGETS = {"light": 1 / 3, "heavy": 2.0}  # the pairs: teacher forward / student
 
 SCENARIOS = ["student_only", "inline", "inline_async", "inline_async_2w", "online", "warm", "ring"]
 REQUIRED = ["student_only", "inline", "inline_async", "online", "warm", "ring"]  # the others: not in --quick
-# Run order per pair: student_only and warm side by side in time (their floor is the tightest).
+# Run order per pair in a round: online first (warm reads the cache it fills), then the others, reversed in
+# every second round (A B, then B A) so that a drift of the machine's speed within a round does not favour
+# one side of a pair; student_only beside warm and ring, the pairs of the tightest floors.
 ORDER = ["online", "warm", "student_only", "ring", "inline", "inline_async", "inline_async_2w"]
-# inline_async_2w (informative) runs one epoch: inline methods run every epoch alike, and time is short.
+# inline_async_2w (informative) runs one epoch, in the first round only.
 ONE_EPOCH = {"inline_async_2w"}
-# The epoch-1 floors' inputs, run again (one epoch each, round robin) so that their medians, not one
-# run each, meet the floor: this machine's epochs vary by several per cent from run to run.
-REPEATED = ["online", "student_only", "ring"]
+FIRST_ROUND_ONLY = {"inline_async_2w"}
+
+
+def round_order(scenarios, round_):
+    """The scenarios of round `round_` in the order they run (ORDER's, every second round reversed after online)."""
+    run = [sc for sc in ORDER if sc in scenarios and (round_ == 0 or sc not in FIRST_ROUND_ONLY)]
+    head, rest = run[:1], run[1:]
+    return head + (rest[::-1] if round_ % 2 else rest)
+
 
 # Peak memory per role: the process started (the trainer) and a `cache_builder` below it.
 RSS = {"role": "trainer", "roles": {"producer": "cache_builder"}}
@@ -32,24 +41,26 @@ log = make_log("bench.kd")
 
 
 # -- the stages alone --------------------------------------------------------------------------------------
-def teacher_alone(pair, prefix, dataset, root, kids, passes):
+def teacher_alone(pair, prefix, dataset, root, kids, round_=0):
     """The producer's offline loop as `python -m kdcache.cache_builder` runs it, in a process of its own on one
-    thread, filling the train split into a fresh cache, `passes` times: the loop's rows/s (start-up
-    excluded) of each pass, and the median's seconds per epoch."""
-    runs = []
-    for i in range(passes):
-        cache_dir = os.path.join(root, pair, f"caches-alone-{i}")
-        res = kids.run(python_m("kdcache.cache_builder", "--teacher", prefix, "--dataset", dataset, "--cache-dir", cache_dir,
-                                "--threads", THREADS, "--batch-size", BATCH, "--seed", SEED, "--quiet", "--json"),
-                       f"{pair} teacher alone {i + 1}", env=child_env(THREADS), log_dir=root, cwd=root)
-        if not res.get("complete") or res.get("rows_written") != res.get("teacher_forwards"):
-            raise RuntimeError(f"bench: the offline producer left {cache_dir} incomplete ({res})")
-        shutil.rmtree(cache_dir, ignore_errors=True)
-        runs.append(res)
-    med = sorted(runs, key=lambda r: r["rows_per_s"])[len(runs) // 2]
-    return {"rows": med["rows_written"], "rows_per_s": med["rows_per_s"], "teacher_s": med["teacher_s"],
-            "loop_s": med["rows_written"] / med["rows_per_s"], "epoch_s": med["rows_written"] / med["rows_per_s"],
-            "passes_rows_per_s": [r["rows_per_s"] for r in runs]}
+    thread, filling the train split into a fresh cache once: the loop's rows/s (start-up excluded) and its
+    seconds per epoch."""
+    cache_dir = os.path.join(root, pair, f"caches-alone-{round_}")
+    res = kids.run(python_m("kdcache.cache_builder", "--teacher", prefix, "--dataset", dataset, "--cache-dir", cache_dir,
+                            "--threads", THREADS, "--batch-size", BATCH, "--seed", SEED, "--quiet", "--json"),
+                   f"{pair} teacher alone, round {round_ + 1}", env=child_env(THREADS), log_dir=root, cwd=root)
+    if not res.get("complete") or res.get("rows_written") != res.get("teacher_forwards"):
+        raise RuntimeError(f"bench: the offline producer left {cache_dir} incomplete ({res})")
+    shutil.rmtree(cache_dir, ignore_errors=True)
+    return {"rows": res["rows_written"], "rows_per_s": res["rows_per_s"], "teacher_s": res["teacher_s"],
+            "epoch_s": res["rows_written"] / res["rows_per_s"]}
+
+
+def alone_summary(passes):
+    """The teacher alone over its passes (one per round): the median pass's figures and every pass's rows/s."""
+    med = sorted(passes, key=lambda r: r["rows_per_s"])[len(passes) // 2]
+    return {**med, "loop_s": med["epoch_s"], "passes_rows_per_s": [r["rows_per_s"] for r in passes],
+            "passes_epoch_s": [r["epoch_s"] for r in passes]}
 
 
 # -- one pair ----------------------------------------------------------------------------------------------
@@ -143,19 +154,37 @@ def run_pair(pair, prep, epochs, root, kids, ctx=None, scenarios=ORDER, round_=0
     return out
 
 
-def repeat_epoch1(pair, prep, root, kids, runs, repeats, ctx=None):
-    """Run the REPEATED scenarios `repeats` - 1 more times (one epoch each) and give each of `runs`
-    its epoch-1 times of every run (the first from `runs` itself) and the repeats' start-up notes."""
-    for sc in REPEATED:
-        runs[sc]["epoch1_runs"] = [runs[sc]["epoch1_s"]]
-        runs[sc]["startup_runs"] = [runs[sc].get("startup")]
-    for i in range(1, repeats):
-        log(f"  {pair}: epoch-1 repeat {i} of {repeats - 1}")
-        extra = run_pair(pair, prep, 1, root, kids, ctx=ctx, scenarios=REPEATED, round_=i)
-        for sc in REPEATED:
-            runs[sc]["epoch1_runs"].append(extra[sc]["epoch1_s"])
-            runs[sc]["startup_runs"].append(extra[sc].get("startup"))
-    return runs
+def run_rounds(prep, epochs, root, kids, scenarios, rounds, ctx=None):
+    """`rounds` rounds, each: for every pair, the teacher alone once, then every scenario (round_order).
+    Returns (by, alone): by[pair] a list of {scenario: result} per round, alone[pair] a list of passes."""
+    by = {pair: [] for pair in prep["pairs"]}
+    alone = {pair: [] for pair in prep["pairs"]}
+    for r in range(rounds):
+        for pair, c in prep["pairs"].items():
+            log(f"round {r + 1} of {rounds}, pair {pair}")
+            if ctx is None:
+                alone[pair].append(teacher_alone(pair, c["prefix"], prep["dataset"], root, kids, r))
+            by[pair].append(run_pair(pair, prep, epochs, root, kids, ctx=ctx, scenarios=round_order(scenarios, r),
+                                     round_=r))
+    return by, alone
+
+
+def merged(rounds):
+    """{scenario: result} over the rounds: the first round's result (memory, forwards, start-up) with the
+    medians of samples/s and epoch-1 s across rounds, and each round's figures beside them."""
+    out = {}
+    for sc in rounds[0]:
+        runs = [r[sc] for r in rounds if sc in r]
+        res = dict(runs[0])
+        res["runs_samples_per_s"] = [x["samples_per_s"] for x in runs]
+        res["epoch1_runs"] = [x["epoch1_s"] for x in runs]
+        res["startup_runs"] = [x.get("startup") for x in runs]
+        res["samples_per_s"] = statistics.median(res["runs_samples_per_s"])
+        res["epoch1_s"] = statistics.median(res["epoch1_runs"])
+        peaks = [x.get("_peak_rss_mib") or {} for x in runs]
+        res["_peak_rss_mib"] = {k: max(p.get(k, 0.0) for p in peaks) for k in set().union(*peaks)}
+        out[sc] = res
+    return out
 
 
 def result_rows(pair, runs, section):
@@ -176,6 +205,7 @@ def result_rows(pair, runs, section):
                      "history": r.get("history"), "startup": r.get("startup"),
                      "epoch1_start_after_launch_s": (r.get("startup") or {}).get("epoch1_start_after_launch_s"),
                      "epoch1_runs": r.get("epoch1_runs"), "startup_runs": r.get("startup_runs"),
+                     "runs_samples_per_s": r.get("runs_samples_per_s"),
                      "engine_workers": r.get("engine_workers"),
                      "test_producer_started": r.get("test_producer_started", False)})
     return rows

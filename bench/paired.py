@@ -58,3 +58,24 @@ def shown(f):
     """A paired floor's figure as a table shows it: the median, its spread and the runs."""
     return (f"{f['measured']:.3f} ±{f['spread']:.3f} (runs {', '.join(f'{x:.3f}' for x in f['runs'])})"
             + (": the floor is within the spread" if f["verdict"] == "UNMEASURABLE" else ""))
+
+
+def floors_table(floors, labels=None):
+    """A markdown table of paired floors ({name: paired(...)}): each one's median, spread and runs, its limit and
+    verdict; labels: {name: what the table calls it}."""
+    from bench.common import md_table
+    labels = labels or {}
+    return md_table(["floor", "paired median ±spread (runs)", "limit", "verdict"],
+                    [[labels.get(k, k), shown(f), f["limit"], f["verdict"]] for k, f in floors.items()], pad=False)
+
+
+def verdicts_line(verdicts):
+    """The line that ends a report's floors ({name: PASS | MISS | UNMEASURABLE}): the ones missed and the ones the
+    spread left undecided, or that all were met."""
+    missed = [k for k, v in verdicts.items() if v == "MISS"]
+    open_ = [k for k, v in verdicts.items() if v == "UNMEASURABLE"]
+    if not missed and not open_:
+        return "All floors met."
+    return " ".join(x for x in (f"Floors missed: {', '.join(missed)}." if missed else "",
+                                f"Unmeasurable at this spread (run more rounds on a quieter machine): "
+                                f"{', '.join(open_)}." if open_ else "") if x)

@@ -61,3 +61,17 @@ def test_the_issues_ten_pairs_cannot_decide_a_floor_3_percent_from_1():
 def test_ratios_that_are_not_measurements_are_refused(bad):
     with pytest.raises((ValueError, TypeError)):
         paired(bad, 0.97)
+
+
+def test_a_floors_table_gives_each_runs_ratio_and_the_line_after_it_tells_unmeasurable_from_missed():
+    from bench.paired import floors_table, shown, verdicts_line
+    floors = {"fast": paired([1.9, 2.1, 2.0], 1.5), "close": paired([0.90, 1.06, 0.95], 0.97),
+              "slow": paired([0.5, 0.52, 0.51], 0.9)}
+    table = floors_table(floors, {"fast": "the fast one"})
+    for name, f in floors.items():
+        assert f"| {'the fast one' if name == 'fast' else name} | {shown(f)} | {f['limit']} | {f['verdict']} |" in table
+    assert "(runs 0.900, 1.060, 0.950): the floor is within the spread" in table
+    line = verdicts_line({**{k: f["verdict"] for k, f in floors.items()}, "bytes": "PASS"})
+    assert line == ("Floors missed: slow. Unmeasurable at this spread (run more rounds on a quieter machine): "
+                    "close.")
+    assert verdicts_line({"a": "PASS"}) == "All floors met."

@@ -16,7 +16,7 @@ THREADS, SEED, BATCH = 1, 0, 64
 # per batch) and of the student alone. A full round of (a)-(d) takes about 80 s, of the variants about 70 s.
 FULL = dict(cal=dict(reps=7, tries=4, epoch_s=8.0, min_steps=30, max_steps=400, target=1.25), reps=5, info_reps=3,
             every=True)
-QUICK = dict(cal=dict(reps=3, tries=2, epoch_s=1.5, min_steps=6, max_steps=40, target=1.25), reps=2, info_reps=1,
+QUICK = dict(cal=dict(reps=3, tries=2, epoch_s=0.75, min_steps=6, max_steps=40, target=1.25), reps=2, info_reps=1,
              every=False)
 STALL_S = 0.001  # a stall counts as at least 1 ms in the goals' ratios: a run that never waited gives a ratio, not 0
 
@@ -48,7 +48,7 @@ FLOORS = {"stall_vs_key_order": 0.25,       # stall of (b) or (c) <= 0.25 x stal
           "announced_vs_schedule": 1.10}    # epoch 1 of (c) <= 1.10 x epoch 1 of (d)
 
 OPTIONS = [
-    quick_option("a data set of about 1.5 s per epoch, two rounds of scenarios (a)-(d) only"),
+    quick_option("a data set of about 0.75 s per epoch, two rounds of scenarios (a)-(d) only"),
     out_option(DEFAULT_OUT),
     tmp_option("directory for the teacher, caches and logs, kept there for inspection (default: a temporary "
                "folder, removed)"),

@@ -8,8 +8,12 @@ paired ratios. The median is known only to within its interval: the distribution
 a median from order statistics (the k-th smallest to the k-th largest ratio, k from the binomial
 distribution: min to max up to eight pairs, the 2nd to the 2nd-last from nine). Its half-width is the spread the report states. A floor that
 lies closer to 1.0 than that spread cannot be told from "no difference" at this spread: its verdict is
-UNMEASURABLE, with the spread, never PASS or MISS. One run states no spread at all: its floors are
-UNMEASURABLE too.
+UNMEASURABLE, with the spread, never PASS or MISS. The spread is taken relative to the median there: a
+ratio's noise is a share of the ratio (runs of 445, 509 and 707 per-sample-file reads vary as much as
+runs of 0.87, 1.00 and 1.39), so a floor of 20 against a median of 509 ±198 is decided, and for
+ratios near 1, where the floors that noise can flip lie, the two are the same. A floor inside the
+median's interval is UNMEASURABLE too: the runs put the median on both sides of it. One run states no
+spread at all: its floors are UNMEASURABLE as well.
 """
 import math
 import statistics
@@ -40,7 +44,7 @@ def paired(ratios, floor, *, higher_is_better=True):
 
     Returns {"measured": the median, "runs": the ratios in run order, "interval": [low, high],
     "spread": the interval's half-width about the median, "limit", "verdict"}: PASS or MISS by the
-    median, UNMEASURABLE where |floor - 1| < spread (NOTE above)."""
+    median, UNMEASURABLE where |floor - 1| < spread / median or the floor lies inside the interval (NOTE above)."""
     r = [float(x) for x in ratios]
     if not r or not all(math.isfinite(x) and x > 0 for x in r):
         raise ValueError(f"paired ratios must be finite and positive, got {ratios!r}")
@@ -51,7 +55,7 @@ def paired(ratios, floor, *, higher_is_better=True):
                 "limit": lim, "verdict": "UNMEASURABLE"}
     lo, hi = median_interval(r)
     spread = max(med - lo, hi - med)
-    if abs(floor - 1.0) < spread:
+    if abs(floor - 1.0) < spread / med or lo < floor < hi:
         v = "UNMEASURABLE"
     else:
         v = "PASS" if (med >= floor if higher_is_better else med <= floor) else "MISS"
@@ -65,3 +69,24 @@ def shown(f):
         return f"{f['measured']:.3f} (one run: no spread)"
     return (f"{f['measured']:.3f} ±{f['spread']:.3f} (runs {', '.join(f'{x:.3f}' for x in f['runs'])})"
             + (": the floor is within the spread" if f["verdict"] == "UNMEASURABLE" else ""))
+
+
+def floors_table(floors, labels=None):
+    """A markdown table of paired floors ({name: paired(...)}): each one's median, spread and runs, its limit and
+    verdict; labels: {name: what the table calls it}."""
+    from bench.common import md_table
+    labels = labels or {}
+    return md_table(["floor", "paired median ±spread (runs)", "limit", "verdict"],
+                    [[labels.get(k, k), shown(f), f["limit"], f["verdict"]] for k, f in floors.items()], pad=False)
+
+
+def verdicts_line(verdicts):
+    """The line that ends a report's floors ({name: PASS | MISS | UNMEASURABLE}): the ones missed and the ones the
+    spread left undecided, or that all were met."""
+    missed = [k for k, v in verdicts.items() if v == "MISS"]
+    open_ = [k for k, v in verdicts.items() if v == "UNMEASURABLE"]
+    if not missed and not open_:
+        return "All floors met."
+    return " ".join(x for x in (f"Floors missed: {', '.join(missed)}." if missed else "",
+                                f"Unmeasurable at this spread (run more rounds on a quieter machine): "
+                                f"{', '.join(open_)}." if open_ else "") if x)

@@ -36,6 +36,21 @@ def positive(v):
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
 
 
+def assert_paired(floors, rounds):
+    """Each floor of `floors` ({name: bench.paired.paired(...)}) was decided on rounds[name] paired runs: it
+    holds each run's ratio, its median is theirs, and its verdict is theirs against its limit (bench.paired)."""
+    import statistics
+    from bench.paired import VERDICTS, paired
+    for name, n in rounds.items():
+        f = floors[name]
+        assert len(f["runs"]) == n and all(positive(x) for x in f["runs"]), (name, f)
+        assert abs(f["measured"] - statistics.median(f["runs"])) <= 1e-4, (name, f)
+        assert f["interval"][0] <= f["measured"] <= f["interval"][1] and f["spread"] >= 0, (name, f)
+        op, value = f["limit"].split()
+        assert f["verdict"] in VERDICTS
+        assert f["verdict"] == paired(f["runs"], float(value), higher_is_better=op == ">=")["verdict"], (name, f)
+
+
 def expected_logits(keys, num_classes, scale=6.0):
     """The 'teacher output' for flat keys: deterministic, distinct per key, finite, spread."""
     k = np.asarray(keys, dtype=np.float64).reshape(-1, 1)

@@ -3,7 +3,8 @@ import os
 
 import pytest
 
-from tests.helpers import positive, run_bench
+from bench.paired import VERDICTS, shown
+from tests.helpers import assert_paired, positive, run_bench
 from tests.test_bench_sizing import REPORT_MISTAKES, assert_refused
 
 SCENARIOS = ("key_order", "demand_wait", "demand_announced", "schedule")
@@ -21,7 +22,7 @@ def test_bench_demand_quick_writes_report(tmp_path):
         assert 0 <= r["stall_s"] <= r["data_wait_s"] + 1e-6 <= r["epoch1_s"] + 1e-6, r
         assert 0 <= r["items_waited"] <= n and 0 <= r["read_when_producer_done"] <= 1, r
         assert r["producer_rows"] == n, r  # a fresh cache each time: every row written once
-        assert r["num_workers"] == 0 and r["runs"] == 1 and len(r["each_run"]) == 1, r
+        assert r["num_workers"] == 0 and r["runs"] == 2 and len(r["each_run"]) == 2, r  # QUICK's reps
     # Demand reaches the producer only when it is asked to serve it, and an announced epoch is served from it.
     assert rows["key_order"]["demand_rows"] == 0
     assert rows["schedule"]["demand_rows"] == 0
@@ -34,7 +35,13 @@ def test_bench_demand_quick_writes_report(tmp_path):
     st = report["stages"]
     assert positive(st["producer_alone_s"]) and positive(st["student_alone"]["num_workers=0"]["median_s"])
     assert st["slowest"]["num_workers=0"]["stage"] in ("producer", "student")
-    assert len(report["goals"]) == 3 and {g["verdict"] for g in report["goals"].values()} <= {"PASS", "MISS"}
+    # Each goal is decided on the round-by-round ratios of its two scenarios: their median beside each round's.
+    assert len(report["goals"]) == 3 and {g["verdict"] for g in report["goals"].values()} <= set(VERDICTS)
+    assert_paired(report["goals"], {g: 2 for g in report["goals"]})
+    each = {sc: r["each_run"] for sc, r in rows.items()}
+    assert report["goals"]["announced_vs_schedule_epoch1"]["runs"] == pytest.approx(
+        [c["epoch1_s"] / d["epoch1_s"] for c, d in zip(each["demand_announced"], each["schedule"])], rel=1e-3)
+    assert all(shown(g) in proc.stdout for g in report["goals"].values())
     assert report["goal_met"] in (True, False)
     assert positive(report["calibration"]["ratio"])
     assert report["quick"] is True and report["date"] and report["machine"]["mxnet"]

@@ -4,11 +4,14 @@ import os
 
 import pytest
 
-from tests.helpers import run_bench
+from bench.paired import shown
+from tests.helpers import assert_paired, run_bench
 from tests.test_bench_sizing import REPORT_MISTAKES, assert_refused
 
 RATIOS = ("gather_vs_numpy", "gather_vs_per_sample_files", "shuffled_vs_ordered_write_c10",
           "shuffled_vs_ordered_write_c1000")
+QUICK_ROUNDS = {"gather_vs_numpy": 3, "gather_vs_per_sample_files": 3, "shuffled_vs_ordered_write_c10": 3,
+                "shuffled_vs_ordered_write_c1000": 3}  # bench.store.run.QUICK's *_repeats
 
 
 @pytest.mark.slow
@@ -18,9 +21,14 @@ def test_bench_store_quick_writes_report(tmp_path):
     for key in RATIOS:
         v = report[key]
         assert isinstance(v, float) and math.isfinite(v) and v > 0, (key, v)
-    # Speed floors are for the benchmark report, not for tests: machines are noisy.
+    # Speed floors are for the benchmark report, not for tests: machines are noisy. Each is decided on the
+    # round-by-round ratios of its interleaved rounds: their median, beside each round's ratio.
     assert set(report["floors"]) >= set(RATIOS)
     assert set(report["verdicts"]) >= set(RATIOS)
+    assert_paired(report["paired"], QUICK_ROUNDS)
+    for key in RATIOS:  # the report's figure and verdict are the paired median's
+        assert report[key] == report["paired"][key]["measured"]
+        assert report["verdicts"][key] == report["paired"][key]["verdict"]
     assert report["quick"] is True
     assert report["machine"]["numpy"] and report["date"]
 
@@ -32,7 +40,9 @@ def test_bench_store_quick_writes_report(tmp_path):
     assert 0 < vis["median"] <= vis["p95"] <= vis["max"]
 
     # One markdown table per section on stdout; the run's files kept in one folder of --tmp.
-    assert proc.stdout.count("\n## ") == 6 and "PASS" in proc.stdout
+    assert proc.stdout.count("\n## ") == 7 and "PASS" in proc.stdout and "## Floors on paired rounds" in proc.stdout
+    for key in RATIOS:  # the printed and rendered tables give the median and each round's ratio
+        assert shown(report["paired"][key]) in proc.stdout
     assert [d.startswith("kdcache-store-") for d in os.listdir(tmp_path / "scratch")] == [True]  # kept: --tmp
 
 

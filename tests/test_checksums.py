@@ -175,14 +175,20 @@ def test_a_cache_copied_to_another_folder_is_reused_there_and_verified(tmp_path,
 
 
 def test_bench_checksums_quick_writes_its_report(tmp_path):
-    from tests.helpers import positive, run_bench
+    from bench.paired import shown
+    from tests.helpers import assert_paired, positive, run_bench
     (tmp_path / "results").mkdir()
     proc, r = run_bench("checksums", tmp_path, "--rows", 2000, "--classes", 100, timeout=300)
     assert r["quick"] is True and r["rows"] == 2000 and r["extrapolation"] == 1_281_167 / 2000
     assert r["compaction"]["chunks"] >= 1 and positive(r["compaction"]["crc32_gb_per_s"])
     assert all(positive(v) for v in r["warm"].values()) and positive(r["cold"]["checked"])
     assert positive(r["open"]["first_touch_s"]) and positive(r["verify"]["with_s"])
-    assert set(r["verdicts"]) == {"checked_vs_numpy_gather"} and proc.stdout.count("\n## ") == 5
+    # The floor is decided on the round-by-round ratios of its interleaved rounds: their median, beside each one.
+    assert set(r["verdicts"]) == set(r["paired"]) == {"checked_vs_numpy_gather"} and proc.stdout.count("\n## ") == 6
+    assert_paired(r["paired"], {"checked_vs_numpy_gather": 3})  # bench.checksums.run.QUICK_ROUNDS
+    f = r["paired"]["checked_vs_numpy_gather"]
+    assert r["checked_vs_numpy_gather"] == f["measured"] and r["verdicts"]["checked_vs_numpy_gather"] == f["verdict"]
+    assert all(len(v) == 3 for v in r["warm_runs"].values()) and shown(f) in proc.stdout
     from bench.checksums.run import render
     assert all(f"## {title}\n\n{table}" in proc.stdout for title, table in render(r))
     assert len(os.listdir(tmp_path / "scratch")) == 1  # its work folder, kept: --tmp was given

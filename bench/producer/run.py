@@ -2,8 +2,9 @@
 import os
 import sys
 
-from bench.common import (busy_warning, floors_line, heading, machine_line, md_table, python_m, rate, for_the_manual,
-                          section, spread, verdict)
+from bench.common import (busy_warning, heading, machine_line, md_table, python_m, rate, for_the_manual, section,
+                          spread)
+from bench.paired import floors_table, shown, verdicts_line
 from bench.cli import out_option, quick_option, tmp_option
 from bench.flops import cpu_id, gflops_table, invalid_lines, peak_line, teacher_figures
 from bench.producer.children import CLASSES, SHAPE, TEACHER_WIDTHS
@@ -12,11 +13,13 @@ from bench.producer.sections import (FLOORS, THREADS, bench_overhead, bench_shar
 
 DEFAULT_OUT = os.path.join("bench", "results", "producer.json")
 
-# Sizes: full run (~4 min on 2 cores) and --quick (~1 min). Section 2 reads shard_n rows from
+# Sizes: full run (~6 min on 2 cores) and --quick (~1 min). Section 2 reads shard_n rows from
 # an .npz file: enough work that the ~2.5 s start-up of a process (MXNet import, data load and
 # digest, teacher load) is a small part of the wall time, as it is for any real data set.
-FULL = dict(n=8000, shard_n=160000, batch=128, overhead_repeats=3, shard_repeats=3)
-QUICK = dict(n=3000, shard_n=3000, batch=128, overhead_repeats=3, shard_repeats=1)
+# *_repeats: the interleaved rounds each floor's paired ratios come from (bench.paired): 5 of section 1
+# (~10 s a round), 3 of section 2 (~80 s a round: its floors lie far from 1); 3 and 2 in a quick run.
+FULL = dict(n=8000, shard_n=160000, batch=128, overhead_repeats=5, shard_repeats=3)
+QUICK = dict(n=3000, shard_n=3000, batch=128, overhead_repeats=3, shard_repeats=2)
 
 OPTIONS = [
     quick_option("smaller data set, fewer repeats (figures are noisier)"),
@@ -60,23 +63,32 @@ def render(report):
     floors), then the teacher against the core's measured peak, from the JSON report alone."""
     o, t = report["sections"]["producer_vs_bare_forward"], report["sections"]["two_shards_vs_one"]
     fl, v = report["floors"], report["verdicts"]
+    pf = report.get("paired")  # a report from before the floors were paired has none: its best runs' ratios
 
     def floor(name):
         return f"{fl[name]['op']} {fl[name]['value']:g}"
-    best = o["rows_per_s_best"]
     check = t["checks"][0] if t.get("checks") else {}
     same = ("identical" if report["two_shard_cache_identical"] else
             f"equal within one float16 step ({check.get('rows_differing', '?')} rows of {t['n']:,} differ by one step)"
             if report["two_shard_cache_equal"] else "NOT equal")
+    if pf:
+        med, wm, am = o["rows_per_s_median"], t["wall_s_median"], t["rows_per_s_aggregate_median"]
+        measured = [f"{rate(med['producer'])} vs {rate(med['bare'])} (medians): "
+                    f"{shown(pf['producer_vs_bare_forward'])}",
+                    f"{wm['one']:.1f} s vs {wm['forked']:.1f} s (medians): {shown(pf['two_shards_vs_one'])}",
+                    f"{rate(am['one'])} vs {rate(am['two'])} (medians): {shown(pf['two_shards_vs_one_aggregate'])}"]
+    else:
+        best = o["rows_per_s_best"]
+        measured = [f"{rate(best['producer'])} vs {rate(best['bare'])}: {o['producer_vs_bare_forward']:.2f} "
+                    f"(medians {o['producer_vs_bare_forward_median']:.2f})",
+                    f"{t['wall_s_best']['one']:.1f} s vs {t['wall_s_forked_best']:.1f} s: {t['two_shards_vs_one']:.2f}",
+                    f"{rate(t['rows_per_s_aggregate_best']['one'])} vs {rate(t['rows_per_s_aggregate_best']['two'])}: "
+                    f"{t['two_shards_vs_one_aggregate']:.2f}"]
     rows = [[f"producer rows/s vs the bare teacher forward ({o['threads']} thread, batch {o['batch']}, {o['n']:,} rows)",
-             f"{rate(best['producer'])} vs {rate(best['bare'])}: {o['producer_vs_bare_forward']:.2f} "
-             f"(medians {o['producer_vs_bare_forward_median']:.2f})", floor("producer_vs_bare_forward"),
-             v["producer_vs_bare_forward"]],
+             measured[0], floor("producer_vs_bare_forward"), v["producer_vs_bare_forward"]],
             [f"two shards vs one producer on two cores, `--shards 2`, wall time with start-up, {t['n']:,} rows from "
-             f"an .npz file", f"{t['wall_s_best']['one']:.1f} s vs {t['wall_s_forked_best']:.1f} s: "
-             f"{t['two_shards_vs_one']:.2f}", floor("two_shards_vs_one"), v["two_shards_vs_one"]],
-            ["the same, summed work-loop rows/s", f"{rate(t['rows_per_s_aggregate_best']['one'])} vs "
-             f"{rate(t['rows_per_s_aggregate_best']['two'])}: {t['two_shards_vs_one_aggregate']:.2f}",
+             f"an .npz file", measured[1], floor("two_shards_vs_one"), v["two_shards_vs_one"]],
+            ["the same, summed work-loop rows/s", measured[2],
              floor("two_shards_vs_one_aggregate"), v["two_shards_vs_one_aggregate"]],
             ["the same, two separate commands `--shard 0/2` and `--shard 1/2` (each loads the data)",
              f"{t['two_shards_vs_one_separate_processes']:.2f}", "(info)", ""],
@@ -86,7 +98,10 @@ def render(report):
              f"{pk['n']}x{pk['n']} matrix product, one thread, best of {pk['repeats']}, {pk['source']}; `mx.nd.dot` "
              f"{pk['mx.nd.dot']['gflops']:.1f}; " + ", ".join(f"{g:.1f}" for g in report.get("peaks_gflops", []))
              + " before and after the other sections):")
-    return [("", md_table(["comparison", "measured", "floor", "verdict"], rows, pad=False)),
+    how = (f"Each ratio: the median of the run-by-run ratios of {o['repeats']} (section 1) and {t['repeats']} "
+           f"(section 2) interleaved runs ±its spread, each run's ratio in brackets; the verdicts are decided on them "
+           f"(bench.paired: a floor nearer 1 than the spread is UNMEASURABLE)." if pf else "")
+    return [(how, md_table(["comparison", "measured", "floor", "verdict"], rows, pad=False)),
             (title, gflops_table(report["gflops"]))]
 
 
@@ -117,10 +132,9 @@ def run(kids, args, p, root):
     n, c = p["n"], CLASSES
     cache_bytes = r1["cache_bytes"]
     r4 = against_peak(r1, teacher, peaks, p["batch"])
-    ratios = {"producer_vs_bare_forward": r1["producer_vs_bare_forward"],
-              "two_shards_vs_one": r2["two_shards_vs_one"],
-              "two_shards_vs_one_aggregate": r2["two_shards_vs_one_aggregate"]}
-    verdicts = {k: verdict(v, FLOORS[k]) for k, v in ratios.items()}
+    pf = {**r1["paired"], **r2["paired"]}
+    ratios = {k: f["measured"] for k, f in pf.items()}  # the paired medians
+    verdicts = {k: f["verdict"] for k, f in pf.items()}
     return {
         **ratios,
         "two_shards_vs_one_separate_processes": r2["two_shards_vs_one_separate_processes"],  # (info)
@@ -138,6 +152,7 @@ def run(kids, args, p, root):
         "other_processes_cores_mean": {"producer_vs_bare_forward": r1["other_cores_mean"],
                                        "two_shards_vs_one": r2["other_cores_mean"]},
         "floors": {k: {"op": ">=", "value": v} for k, v in FLOORS.items()},
+        "paired": pf,
         "verdicts": verdicts,
         "all_pass": all(v == "PASS" for v in verdicts.values()) and r2["two_shard_cache_equal"],
         "sections": {"producer_vs_bare_forward": r1, "two_shards_vs_one": r2},
@@ -173,10 +188,9 @@ def show(report):
                            "a section (section 2 the most: it needs both cores)")
     if warning:
         print(warning)
-    missed = [k for k, v in report["verdicts"].items() if v != "PASS"]
-    if not r2["two_shard_cache_equal"]:
-        missed.append("two_shard_cache_equal")
-    print(floors_line(missed))
+    print("## Floors on paired runs\n\n" + floors_table(report["paired"]) + "\n")
+    print(verdicts_line({**report["verdicts"],
+                         "two_shard_cache_equal": "PASS" if r2["two_shard_cache_equal"] else "MISS"}))
     print("\n" + for_the_manual(render(report)))
     if not report["valid"]:  # the report keeps the evidence; the command fails
         print("error: per-core figures one core cannot have produced:\n" + "\n".join(report["invalid"]),

@@ -1,12 +1,14 @@
 """The producer benchmark's sections: the cache builder vs the bare teacher loop, and two shards vs one producer."""
 import os
 import shutil
+import statistics
 import tempfile
 import time
 
 import numpy as np
 
-from bench.common import cpu_between, cpu_snapshot, make_log, md_table, python_m, rate, spread, verdict
+from bench.common import cpu_between, cpu_snapshot, make_log, md_table, python_m, rate, spread
+from bench.paired import paired, shown
 from bench.producer.children import CLASSES, SHAPE
 
 THREADS = 1  # compute threads of every producer and bare loop
@@ -98,7 +100,10 @@ def bench_overhead(root, kids, prefix, dataset_arg, p):
                 f"{res['cpu']['other_cores'] or 0:.2f} cores)")
     rps = {k: spread(x["rows_per_s"] for x in v) for k, v in runs.items()}
     best, med = {k: s["max"] for k, s in rps.items()}, {k: s["median"] for k, s in rps.items()}
-    ratio = best["producer"] / best["bare"]
+    # The verdict: run r of the producer over run r of the bare loop (back to back), decided on the paired ratios.
+    floor = paired([p_["rows_per_s"] / b["rows_per_s"] for p_, b in zip(runs["producer"], runs["bare"])],
+                   FLOORS["producer_vs_bare_forward"])
+    ratio_best = best["producer"] / best["bare"]
     ratio_med = med["producer"] / med["bare"]
     # Within one producer run: teacher_s is make_views + forward inside its loop; the rest of the
     # loop is the store (encode, segment creation, SWMR writes and flushes) and bookkeeping.
@@ -112,7 +117,8 @@ def bench_overhead(root, kids, prefix, dataset_arg, p):
     res = {"n": n, "batch": batch, "threads": THREADS, "repeats": p["overhead_repeats"],
            "rows_per_s_best": best, "rows_per_s_median": med,
            "rows_per_s_all": {k: [x["rows_per_s"] for x in v] for k, v in runs.items()},
-           "producer_vs_bare_forward": ratio, "producer_vs_bare_forward_median": ratio_med,
+           "producer_vs_bare_forward": floor["measured"], "paired": {"producer_vs_bare_forward": floor},
+           "producer_vs_bare_forward_median": ratio_med, "producer_vs_bare_forward_best": ratio_best,
            "teacher_share_of_producer_loop": in_run, "teacher_share_of_producer_loop_best": in_run_best,
            "producer_loop_s_best": loop_s, "producer_teacher_s_best": prod["teacher_s"],
            "bare_forward_ms_per_batch_median": bare["forward_ms_per_batch_median"],
@@ -120,22 +126,26 @@ def bench_overhead(root, kids, prefix, dataset_arg, p):
            "bare_make_views_ms_per_batch_median": bare["make_views_ms_per_batch_median"],
            "bare_cores_used": bare["cores_used"], "bare_threads": bare["threads"],
            "cache_bytes": cache_bytes, "cpu_per_run": {k: [x["cpu"] for x in v] for k, v in runs.items()},
-           **busy, "statistic": "best of the interleaved repeats (median also given)"}
+           **busy, "statistic": "median of the run-by-run ratios of the interleaved repeats (bench.paired); the ratio "
+                                "of the medians and of the best runs also given"}
     return res
 
 
 def overhead_section(res):
     """Section 1's table and note, from its result alone."""
-    n, batch, best, ratio = res["n"], res["batch"], res["rows_per_s_best"], res["producer_vs_bare_forward"]
+    n, batch, med, f = res["n"], res["batch"], res["rows_per_s_median"], res["paired"]["producer_vs_bare_forward"]
     table = md_table(
         ["N x C (fp16)", "batch", "threads", "bare forward rows/s", "producer rows/s",
-         "producer_vs_bare_forward", "(medians)", "in-run teacher share", "floor", "verdict"],
-        [[f"{n:,} x {CLASSES}", batch, res["threads"], rate(best["bare"]), rate(best["producer"]), f"{ratio:.3f}",
-          f"{res['producer_vs_bare_forward_median']:.3f}", f"{res['teacher_share_of_producer_loop_best']:.3f}",
-          f">= {FLOORS['producer_vs_bare_forward']}", verdict(ratio, FLOORS["producer_vs_bare_forward"])]])
-    note = (f"rows/s of the timed work loop only (set-up, MXNet import and data load excluded on both sides); "
-            f"each side a fresh process with OMP_NUM_THREADS={res['threads']}, best of {res['repeats']} "
-            f"interleaved runs (the side going first alternates); the producer fills a fresh cache each run. "
+         "producer_vs_bare_forward", "(best runs)", "in-run teacher share", "floor", "verdict"],
+        [[f"{n:,} x {CLASSES}", batch, res["threads"], rate(med["bare"]), rate(med["producer"]), shown(f),
+          f"{res['producer_vs_bare_forward_best']:.3f}", f"{res['teacher_share_of_producer_loop_best']:.3f}",
+          f["limit"], f["verdict"]]])
+    note = (f"rows/s of the timed work loop only (set-up, MXNet import and data load excluded on both sides), "
+            f"medians of {res['repeats']} interleaved runs (the side going first alternates); each side a fresh "
+            f"process with OMP_NUM_THREADS={res['threads']}; the producer fills a fresh cache each run. "
+            f"producer_vs_bare_forward: the median of the run-by-run ratios (run r of the producer over run r of "
+            f"the bare loop, back to back) ±its spread, each run's ratio in brackets; the verdict is decided on "
+            f"them (bench.paired: a floor nearer 1 than the spread is UNMEASURABLE). "
             f"In-run teacher share: make_views + forward time / loop time inside the producer itself (best "
             f"run: {res['producer_teacher_s_best']:.2f} of {res['producer_loop_s_best']:.2f} s); the rest of its "
             f"loop is the store. " + busy_text(res))
@@ -211,8 +221,16 @@ def bench_shards(root, kids, prefix, dataset_arg, p):
     w1, w2 = min(x["wall_s"] for x in one_runs), min(x["wall_s"] for x in two_runs)
     w3 = min(x["wall_s"] for x in forked_runs)
     a1, a2 = max(x["rows_per_s"] for x in one_runs), max(sum(x["rows_per_s"]) for x in two_runs)
-    # The verdict: the one-command way to run n shards on one host (--shards 2), start-up included.
-    ratio, ratio_sep, ratio_agg = w1 / w3, w1 / w2, a2 / a1
+    # Run r of each way met the same load (they ran back to back): the floors are decided on the run-by-run
+    # ratios (bench.paired). The verdict: the one-command way to run n shards on one host (--shards 2),
+    # start-up included; the summed work-loop rows/s of two separate commands beside it.
+    fl = {"two_shards_vs_one": paired([o["wall_s"] / f["wall_s"] for o, f in zip(one_runs, forked_runs)],
+                                      FLOORS["two_shards_vs_one"]),
+          "two_shards_vs_one_aggregate": paired([sum(t["rows_per_s"]) / o["rows_per_s"]
+                                                 for o, t in zip(one_runs, two_runs)],
+                                                FLOORS["two_shards_vs_one_aggregate"])}
+    ratio, ratio_agg = fl["two_shards_vs_one"]["measured"], fl["two_shards_vs_one_aggregate"]["measured"]
+    ratio_sep = statistics.median(o["wall_s"] / t["wall_s"] for o, t in zip(one_runs, two_runs))
     equal = all(c["ok"] for c in checks)
     identical = all(c.get("identical") for c in checks)
     busy = busy_summary(one_runs + two_runs)
@@ -224,10 +242,16 @@ def bench_shards(root, kids, prefix, dataset_arg, p):
            "rows_per_s_aggregate_best": {"one": a1, "two": a2},
            "forked_runs": forked_runs, "wall_s_forked_best": w3,
            "two_shards_vs_one": ratio, "two_shards_vs_one_separate_processes": ratio_sep,
-           "two_shards_vs_one_aggregate": ratio_agg,
+           "two_shards_vs_one_aggregate": ratio_agg, "paired": fl,
+           "wall_s_median": {"one": statistics.median(x["wall_s"] for x in one_runs),
+                             "two": statistics.median(x["wall_s"] for x in two_runs),
+                             "forked": statistics.median(x["wall_s"] for x in forked_runs)},
+           "rows_per_s_aggregate_median": {"one": statistics.median(x["rows_per_s"] for x in one_runs),
+                                           "two": statistics.median(sum(x["rows_per_s"]) for x in two_runs)},
            "two_shard_cache_equal": equal, "two_shard_cache_identical": identical, "checks": checks,
            "two_shard_own_cores_best": own2, **busy,
-           "statistic": "best of the interleaved repeats (shortest wall, highest rows/s)"}
+           "statistic": "median of the run-by-run ratios of the interleaved repeats (bench.paired); the shortest "
+                        "wall and highest rows/s also given"}
     best1 = min(one_runs, key=lambda x: x["wall_s"])
     res["one_producer_outside_loop_s"] = best1["wall_s"] - n / best1["rows_per_s"]
     return res
@@ -236,10 +260,11 @@ def bench_shards(root, kids, prefix, dataset_arg, p):
 def shards_section(res):
     """Section 2's table and note, from its result alone."""
     n, checks, equal, identical = res["n"], res["checks"], res["two_shard_cache_equal"], res["two_shard_cache_identical"]
-    w1, w2, w3 = res["wall_s_best"]["one"], res["wall_s_best"]["two"], res["wall_s_forked_best"]
-    a1, a2 = res["rows_per_s_aggregate_best"]["one"], res["rows_per_s_aggregate_best"]["two"]
-    ratio, ratio_sep, ratio_agg = (res["two_shards_vs_one"], res["two_shards_vs_one_separate_processes"],
-                                   res["two_shards_vs_one_aggregate"])
+    wm, am, fl = res["wall_s_median"], res["rows_per_s_aggregate_median"], res["paired"]
+    w1, w2, w3 = wm["one"], wm["two"], wm["forked"]
+    a1, a2 = am["one"], am["two"]
+    ratio_sep = res["two_shards_vs_one_separate_processes"]
+    f, fa = fl["two_shards_vs_one"], fl["two_shards_vs_one_aggregate"]
     threads, own2, outside = res["threads_per_process"], res["two_shard_own_cores_best"], res["one_producer_outside_loop_s"]
     best1 = min(res["one_producer_runs"], key=lambda x: x["wall_s"])
     worst = max(checks, key=lambda c: c.get("max_diff_in_float16_steps") or 0)
@@ -247,17 +272,17 @@ def shards_section(res):
         ["N x C (fp16)", "measure", "one producer", "two shards", "two / one", "floor", "verdict"],
         [[f"{n:,} x {CLASSES}", "wall s, `--shards 2` (one command, forks after loading)", f"{w1:.2f}",
           f"{w3:.2f}", "", "", ""],
-         ["", "rows/s from wall, `--shards 2`", rate(n / w1), rate(n / w3), f"{ratio:.2f}",
-          f">= {FLOORS['two_shards_vs_one']}", verdict(ratio, FLOORS["two_shards_vs_one"])],
+         ["", "rows/s from wall, `--shards 2`", rate(n / w1), rate(n / w3), shown(f), f["limit"], f["verdict"]],
          ["", "wall s, two commands `--shard 0/2`, `--shard 1/2`", f"{w1:.2f}", f"{w2:.2f}", "", "", ""],
          ["", "rows/s from wall, two commands", rate(n / w1), rate(n / w2), f"{ratio_sep:.2f}", "", "(info)"],
-         ["", "rows/s reported (loops; two summed)", rate(a1), rate(a2), f"{ratio_agg:.2f}",
-          f">= {FLOORS['two_shards_vs_one_aggregate']}", verdict(ratio_agg, FLOORS["two_shards_vs_one_aggregate"])],
+         ["", "rows/s reported (loops; two summed)", rate(a1), rate(a2), shown(fa), fa["limit"], fa["verdict"]],
          ["", "2-shard cache complete, logits equal", "", "yes" if equal else "NO", "", "",
           "PASS" if equal else "MISS"]])
     note = (f"{n:,} rows read from an .npz file (synthetic images, uint8). "
-            f"`--threads {threads}` per process on {os.cpu_count()} CPUs, a fresh cache each run, best of "
-            f"{res['repeats']} interleaved run(s). Wall time includes each process's start-up (MXNet "
+            f"`--threads {threads}` per process on {os.cpu_count()} CPUs, a fresh cache each run; seconds and "
+            f"rows/s are medians of {res['repeats']} interleaved rounds (the way going first alternates), each "
+            f"ratio the median of the round-by-round ratios ±its spread, each round's in brackets, the verdicts "
+            f"decided on them (bench.paired). Wall time includes each process's start-up (MXNet "
             f"import, data set load and digest, teacher load: {outside:.1f} s of the single producer's "
             f"{best1['wall_s']:.1f} s were outside its work loop) and the compaction the last shard does; the "
             f"reported rows/s "

@@ -22,6 +22,13 @@ One run, every comparison side by side (the sizes: 1,281,167 rows x 1000 classes
    mmap=False, which falls back to reads from disk when the cache does not fit the memory budget),
    and the Pss of 4 mapped readers
 
+The gathers' floor is decided on paired rounds (bench.paired): every side runs once a round, interleaved
+(the side going first rotates), 5 rounds (3 in --quick; a full round takes about 12 s); the floor takes the
+median of the round-by-round ratios, reported with its spread and each round's ratio, and one nearer 1 than
+the spread is UNMEASURABLE. The Pss floor is not paired: it is a size, the pages the readers hold while all
+are alive, which other processes' load does not move from run to run as it moves a timing; one measurement
+decides it, as the store's bytes per row are.
+
 bench.read_scale.run is the command, bench.read_scale.sections the measurements; reader processes
 (bench.read_scale.children) import numpy, h5py and store only. Without --tmp everything written is removed
 at the end; with it, the run's folder is kept there (each cache removed once measured).

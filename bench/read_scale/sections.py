@@ -10,6 +10,7 @@ import h5py
 import numpy as np
 
 from bench.common import Children, make_log, python_m
+from bench.paired import paired
 from bench.read_scale.children import BATCH, mapping_pss, smaps_rollup
 from bench.store.gather import epoch_batches, timed_rounds
 from kdcache.store import CacheReader, CacheSpec, CacheWriter, path_for
@@ -199,11 +200,16 @@ def bench_gather(path, spec, pool, ram, p, rng):
     timed_rounds(sides, 1)  # warm-up: page tables, caches
     times = timed_rounds(sides, p["gather_repeats"])
     rps = {k: batches.size / min(t) for k, t in times.items()}
+
+    def per_round(side, base):  # side's rows/s over base's, round by round: round r of each met the same load
+        return [tb / ts for ts, tb in zip(times[side], times[base])]
+    op, value = FLOORS["map_vs_numpy_gather"]
+    floor = paired(per_round("map_get", "numpy_f32"), value, higher_is_better=op == ">=")
     res.update(batches=int(batches.shape[0]), batch=BATCH, repeats=p["gather_repeats"], rows_per_s_best=rps,
-               rows_per_s_median={k: batches.size / statistics.median(t) for k, t in times.items()},
-               map_vs_numpy_gather=rps["map_get"] / rps["numpy_f32"],
-               map_raw_vs_numpy_raw=rps["map_raw"] / rps["numpy_raw"],
-               map_vs_ram_reader=rps["map_get"] / rps["ram_get"] if "ram_get" in rps else None)
+               rows_per_s_median={k: batches.size / statistics.median(t) for k, t in times.items()}, seconds=times,
+               map_vs_numpy_gather=floor["measured"], paired={"map_vs_numpy_gather": floor},
+               map_raw_vs_numpy_raw=statistics.median(per_round("map_raw", "numpy_raw")),
+               map_vs_ram_reader=statistics.median(per_round("map_get", "ram_get")) if "ram_get" in rps else None)
     mapped.close()
     return res
 

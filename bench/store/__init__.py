@@ -2,10 +2,15 @@
 
     python -m bench.store [--quick] [--out bench/results/store.json] [--tmp DIR]
 
-A full run takes about 1 min on 2 cores, --quick about 15 s.
+A full run takes about 70 s on 2 cores, --quick about 15 s.
 
-Every comparison runs both sides in the same process, interleaved (the side that goes first
-rotates each repeat), and keeps the best of the repeats, so machine noise hits both sides.
+Every comparison runs both sides in the same process, interleaved over several rounds (the side
+that goes first rotates each round), so that round r of each side met the same load. Each timing
+floor is decided on the round-by-round ratios (bench.paired): their median, its spread and each
+round's ratio are reported, and a floor nearer 1 than the spread is UNMEASURABLE, neither PASS nor
+MISS. Rounds: 9 for the gathers and the writes (a round takes well under 2 s; from nine pairs the
+median's interval leaves out the highest and the lowest ratio), 5 against the per-sample files
+(3.4 s a round), 3 each in --quick. The bytes per row are exact sizes, judged as they are.
 Sections, with the floors the store was built to meet:
 
 1. gather from a cache held in RAM vs numpy fancy indexing on the same array  (ratio >= 0.5)

@@ -9,7 +9,8 @@ import time
 import h5py
 import numpy as np
 
-from bench.common import md_table, rate, verdict
+from bench.common import md_table, rate
+from bench.paired import paired, shown
 from bench.store.write import BATCH, build_cache, teacher_logits
 from kdcache.store import CacheReader
 
@@ -25,7 +26,8 @@ def epoch_batches(rng, n, count, size=BATCH):
 
 def timed_rounds(sides, repeats):
     """Run each side's callable `repeats` times, interleaved, rotating which side goes first.
-    Returns {side: [seconds per run]}. The garbage collector is off inside each timed run."""
+    Returns {side: [seconds per run]}: run r of every side met the same load (bench.paired pairs them).
+    The garbage collector is off inside each timed run."""
     names = list(sides)
     times = {k: [] for k in names}
     for r in range(repeats):
@@ -82,17 +84,20 @@ def bench_gather_vs_numpy(root, p, rng):
     rows = batches.size
     rps = {k: rows / min(t) for k, t in times.items()}
     med = {k: rows / statistics.median(t) for k, t in times.items()}
+
+    def per_round(base):  # kdcache's rows/s over the baseline's, round by round
+        return [tb / tk for tk, tb in zip(times["kdcache"], times[base])]
     # The verdict compares with numpy fancy indexing of the very array the reader holds in RAM
     # (float32: a float16 cache is widened once when that fits the memory budget). Two other
     # baselines are printed: the stored float16 array (stricter: half the bytes to move, but no
     # float32 output) and that array converted per batch (the same output as reader.get).
-    ratio = rps["kdcache"] / rps["numpy_held"]
-    raw16 = rps["kdcache"] / rps["numpy_raw"]
-    f32 = rps["kdcache"] / rps["numpy_f32"]
+    floor = paired(per_round("numpy_held"), FLOORS["gather_vs_numpy"])
     res = {"n": n, "c": c, "dtype": "float16", "batch": BATCH, "batches": int(batches.shape[0]),
            "repeats": p["gather_repeats"], "rows_per_s_best": rps, "rows_per_s_median": med,
            "us_per_batch_best": {k: 1e6 * min(t) / batches.shape[0] for k, t in times.items()},
-           "gather_vs_numpy": ratio, "gather_vs_numpy_float16_array": raw16, "gather_vs_numpy_f32": f32,
+           "seconds": times, "gather_vs_numpy": floor["measured"], "paired": {"gather_vs_numpy": floor},
+           "gather_vs_numpy_float16_array": statistics.median(per_round("numpy_raw")),
+           "gather_vs_numpy_f32": statistics.median(per_round("numpy_f32")),
            "held_dtype": str(held.dtype),
            "ratio_baseline": "numpy_held: arr[batch] on the array the reader holds in RAM"}
     return res, (spec, path, reader, batches, rps["kdcache"])
@@ -100,17 +105,19 @@ def bench_gather_vs_numpy(root, p, rng):
 
 def gather_vs_numpy_section(res):
     """Section 1's table and note, from its result alone."""
-    n, c, rps, held, ratio = res["n"], res["c"], res["rows_per_s_best"], res["held_dtype"], res["gather_vs_numpy"]
+    n, c, rps, held = res["n"], res["c"], res["rows_per_s_median"], res["held_dtype"]
+    f = res["paired"]["gather_vs_numpy"]
     table = md_table(
         ["N x C (fp16)", "kdcache get", f"numpy held[b] ({held})", "numpy arr16[b]",
          "numpy arr16[b].astype(f32)", "gather_vs_numpy", "vs arr16[b]", "vs arr16[b].astype(f32)", "floor",
          "verdict"],
         [[f"{n:,} x {c}", rate(rps["kdcache"]), rate(rps["numpy_held"]), rate(rps["numpy_raw"]),
-          rate(rps["numpy_f32"]), f"{ratio:.2f}", f"{res['gather_vs_numpy_float16_array']:.2f}",
-          f"{res['gather_vs_numpy_f32']:.2f}", f">= {FLOORS['gather_vs_numpy']}",
-          verdict(ratio, FLOORS["gather_vs_numpy"])]])
-    note = (f"rows/s; {res['batches']} random batches of {res['batch']} (shuffled epochs), best of "
-            f"{res['repeats']} interleaved runs. gather_vs_numpy = reader.get vs numpy fancy indexing of "
+          rate(rps["numpy_f32"]), shown(f), f"{res['gather_vs_numpy_float16_array']:.2f}",
+          f"{res['gather_vs_numpy_f32']:.2f}", f["limit"], f["verdict"]]])
+    note = (f"rows/s; {res['batches']} random batches of {res['batch']} (shuffled epochs), medians of "
+            f"{res['repeats']} interleaved rounds (the side going first rotates); each ratio is the median of the "
+            f"round-by-round ratios, the verdict decided on them (bench.paired). gather_vs_numpy = reader.get vs "
+            f"numpy fancy indexing of "
             f"the same array the reader holds in RAM ({held}: a float16 cache is widened once when that fits "
             f"the memory budget, so get() returns float32 with one gather). Also shown: vs indexing the stored "
             f"float16 array (no float32 output) and vs indexing it then converting to float32 (same output).")
@@ -157,23 +164,29 @@ def bench_vs_per_sample_files(root, p, rng):
         reader.close()
         os.unlink(path + ".h5")
     rps = {"kdcache": batches.size / min(times["kdcache"]), "per_file": few.size / min(times["per_file"])}
-    ratio = rps["kdcache"] / rps["per_file"]
+    med = {"kdcache": batches.size / statistics.median(times["kdcache"]),
+           "per_file": few.size / statistics.median(times["per_file"])}
+    floor = paired([(batches.size / tk) / (few.size / tf) for tk, tf in zip(times["kdcache"], times["per_file"])],
+                   FLOORS["gather_vs_per_sample_files"])
     res = {"n": n, "c": c, "dtype": "float16", "batch": BATCH, "batches_kdcache": int(batches.shape[0]),
            "batches_per_file": int(few.shape[0]), "repeats": p["files_repeats"], "rows_per_s_best": rps,
-           "per_file_write_s": write_s, "gather_vs_per_sample_files": ratio, "page_cache": "warm (both sides)"}
+           "rows_per_s_median": med, "seconds": times, "per_file_write_s": write_s,
+           "gather_vs_per_sample_files": floor["measured"], "paired": {"gather_vs_per_sample_files": floor},
+           "page_cache": "warm (both sides)"}
     return res
 
 
 def vs_per_sample_files_section(res):
     """Section 2's table and note, from its result alone."""
-    n, c, rps, ratio = res["n"], res["c"], res["rows_per_s_best"], res["gather_vs_per_sample_files"]
+    n, c, rps, f = res["n"], res["c"], res["rows_per_s_median"], res["paired"]["gather_vs_per_sample_files"]
     few, many = res["batches_per_file"], res["batches_kdcache"]
     table = md_table(
         ["N x C (fp16)", "kdcache get rows/s", "one .npy per sample rows/s", "gather_vs_per_sample_files",
          "floor", "verdict"],
-        [[f"{n:,} x {c}", rate(rps["kdcache"]), rate(rps["per_file"]), f"{ratio:.0f}",
-          f">= {FLOORS['gather_vs_per_sample_files']:.0f}", verdict(ratio, FLOORS["gather_vs_per_sample_files"])]])
-    note = (f"Per-sample side: np.save of each float16 row ({n:,} files, written in {res['per_file_write_s']:.1f} s), "
+        [[f"{n:,} x {c}", rate(rps["kdcache"]), rate(rps["per_file"]), shown(f), f["limit"], f["verdict"]]])
+    note = (f"rows/s, medians of {res['repeats']} interleaved rounds, the verdict on the round-by-round ratios "
+            f"(bench.paired). Per-sample side: np.save of each float16 row ({n:,} files, written in "
+            f"{res['per_file_write_s']:.1f} s), "
             f"np.load + np.stack + astype(float32) per batch, {few} batches; kdcache side: "
             f"{many} batches from the same seeded list (the first {few} are the "
             f"per-file batches). Both warm in the page cache (it cannot be dropped here). torchdistill "

@@ -9,20 +9,23 @@ limit_threads(os.environ, force=False)
 import numpy as np  # noqa: E402
 
 from bench.store import gather, write  # noqa: E402
-from bench.common import (floors_line, heading, machine_line, make_log, md_table, rate, for_the_manual,  # noqa: E402
-                          section, verdict)
+from bench.common import (heading, machine_line, make_log, md_table, rate, for_the_manual, section,  # noqa: E402
+                          verdict)
+from bench.paired import floors_table, shown, verdicts_line  # noqa: E402
 from bench.cli import RUN, out_option, quick_option, tmp_option  # noqa: E402
 from kdcache.args import Int, Option  # noqa: E402
 
 DEFAULT_OUT = os.path.join("bench", "results", "store.json")
 
-# Sizes: full run (~1 min on 2 cores) and --quick (~15 s).
-FULL = dict(gather_n=200_000, gather_batches=2000, gather_repeats=5,
-            files_n=20_000, files_batches=50, files_repeats=3,
-            write_n={10: 100_000, 1000: 20_000}, write_repeats=5,
+# Sizes: full run (~70 s on 2 cores) and --quick (~15 s). *_repeats: the interleaved rounds each paired floor is
+# decided on (bench.paired): 9 where a round is cheap (from nine pairs the median's interval leaves out the
+# highest and lowest ratio), 5 for the per-sample files (3.4 s a round); 3 in a quick run.
+FULL = dict(gather_n=200_000, gather_batches=2000, gather_repeats=9,
+            files_n=20_000, files_batches=50, files_repeats=5,
+            write_n={10: 100_000, 1000: 20_000}, write_repeats=9,
             bytes_n=20_000, ooc_batches=200, ooc_repeats=3)
 QUICK = dict(gather_n=50_000, gather_batches=1000, gather_repeats=3,
-             files_n=5_000, files_batches=20, files_repeats=2,
+             files_n=5_000, files_batches=20, files_repeats=3,
              write_n={10: 20_000, 1000: 4_000}, write_repeats=3,
              bytes_n=4_000, ooc_batches=50, ooc_repeats=2)
 
@@ -44,21 +47,31 @@ def render(report):
     JSON report alone."""
     sec, r, v, fl = report["sections"], report["rows_per_s"], report["verdicts"], report["floors"]
     g, f = sec["gather_vs_numpy"], sec["gather_vs_per_sample_files"]
+    pf = report.get("paired", {})  # a report from before the floors were paired has none: its single ratios
 
     def floor(name):
         return f"{fl[name]['op']} {fl[name]['value']:g}"
-    rows = [[f"gather, random batches of {g['batch']}, {g['n']:,} x {g['c']}, in RAM", f"{rate(r['gather_kdcache'])} rows/s",
-             f"numpy on the same array in RAM: {rate(g['rows_per_s_best']['numpy_held'])}",
-             f"{g['gather_vs_numpy']:.2f} ({g['gather_vs_numpy_float16_array']:.2f} vs the float16 array, "
+
+    def ratio(name, digits):
+        return shown(pf[name]) if name in pf else f"{report[name]:.{digits}f}"
+
+    def rows_per_s(section, side, best):  # medians of the rounds where the report has them, else the best
+        return rate(section.get("rows_per_s_median", section["rows_per_s_best"])[side] if pf else best)
+    rows = [[f"gather, random batches of {g['batch']}, {g['n']:,} x {g['c']}, in RAM",
+             f"{rows_per_s(g, 'kdcache', r['gather_kdcache'])} rows/s",
+             f"numpy on the same array in RAM: {rows_per_s(g, 'numpy_held', g['rows_per_s_best']['numpy_held'])}",
+             f"{ratio('gather_vs_numpy', 2)} ({g['gather_vs_numpy_float16_array']:.2f} vs the float16 array, "
              f"{g['gather_vs_numpy_f32']:.2f} vs float16 + conversion)", floor("gather_vs_numpy"), v["gather_vs_numpy"]],
             [f"gather vs one .npy file per sample (torchdistill's layout), {f['n']:,} x {f['c']}",
-             f"{rate(r['files_kdcache'])} rows/s", f"{rate(r['files_per_sample'])} rows/s",
-             f"{f['gather_vs_per_sample_files']:.0f}", floor("gather_vs_per_sample_files"),
+             f"{rows_per_s(f, 'kdcache', r['files_kdcache'])} rows/s",
+             f"{rows_per_s(f, 'per_file', r['files_per_sample'])} rows/s",
+             ratio("gather_vs_per_sample_files", 0), floor("gather_vs_per_sample_files"),
              v["gather_vs_per_sample_files"]]]
     for c, what in (("10", "writes in shuffled training order vs index order, C=10"), ("1000", "the same, C=1000")):
-        name = f"shuffled_vs_ordered_write_c{c}"
-        rows.append([what, f"{rate(r[f'write_c{c}_shuffled'])} rows/s", rate(r[f"write_c{c}_ordered"]),
-                     f"{report[name]:.2f}", floor(name), v[name]])
+        name, w = f"shuffled_vs_ordered_write_c{c}", sec["write_order"][f"c{c}"]
+        med = w.get("rows_per_s_median_with_close", {})
+        rows.append([what, f"{rate(med['shuffled'] if pf else r[f'write_c{c}_shuffled'])} rows/s",
+                     rate(med["ordered"] if pf else r[f"write_c{c}_ordered"]), ratio(name, 2), floor(name), v[name]])
     o, vis = sec["out_of_core"], report["visibility_ms"]
     bpr, disk = report["bytes_per_row"], report["bytes_per_row_on_disk"]
     others = [[f"gather out of core (memory_budget=0), batches of {g['batch']}",
@@ -68,7 +81,10 @@ def render(report):
                f"{vis['median']:.1f} ms (median; p95 {vis['p95']:.1f} ms)"]]
     others += [[f"bytes per row, {k.replace('@', ' at ')}: codec / on disk in a {sec['bytes_per_row']['n']:,}-row file",
                 f"{bpr[k]} / {disk[k]:.1f}"] for k in bpr]
-    return [("", md_table(["comparison", "kdcache", "baseline", "ratio", "floor", "verdict"], rows, pad=False)),
+    how = (f"Rows/s: medians of the interleaved rounds; ratio: the median of the round-by-round ratios ±its spread, "
+           f"each round's ratio in brackets (bench.paired); a floor nearer 1 than the spread is UNMEASURABLE." if pf
+           else "")
+    return [(how, md_table(["comparison", "kdcache", "baseline", "ratio", "floor", "verdict"], rows, pad=False)),
             ("", md_table(["measure", "value"], others, pad=False))]
 
 
@@ -99,13 +115,9 @@ def run(kids, args, p, root):
     log("6/6 visibility of new rows to a live reader")
     r6 = write.bench_visibility(root, p, kids)
 
-    ratios = {
-        "gather_vs_numpy": r1["gather_vs_numpy"],
-        "gather_vs_per_sample_files": r2["gather_vs_per_sample_files"],
-        "shuffled_vs_ordered_write_c10": r3["c10"]["shuffled_vs_ordered_write_c10"],
-        "shuffled_vs_ordered_write_c1000": r3["c1000"]["shuffled_vs_ordered_write_c1000"],
-    }
-    verdicts = {k: verdict(v, FLOORS[k]) for k, v in ratios.items()}
+    pf = {**r1["paired"], **r2["paired"], **r3["c10"]["paired"], **r3["c1000"]["paired"]}
+    ratios = {k: f["measured"] for k, f in pf.items()}  # the paired medians
+    verdicts = {k: f["verdict"] for k, f in pf.items()}
     for name, b in r4["bytes_per_row"].items():
         codec = name.split("@")[0]
         if codec.startswith("topk:"):
@@ -132,6 +144,7 @@ def run(kids, args, p, root):
             "gather_out_of_core": r5["rows_per_s_best"],
         },
         "floors": floors,
+        "paired": pf,
         "verdicts": verdicts,
         "all_pass": all(v == "PASS" for v in verdicts.values()),
         "sections": {"gather_vs_numpy": r1, "gather_vs_per_sample_files": r2, "write_order": r3,
@@ -155,5 +168,6 @@ def show(report):
     print(machine_line(report["machine"]) + "\n")
     for title, key, table_and_note in SECTIONS:
         print(section(title, *table_and_note(report["sections"][key])))
-    print(floors_line([k for k, v in report["verdicts"].items() if v != "PASS"]))
+    print("## Floors on paired rounds\n\n" + floors_table(report["paired"]) + "\n")
+    print(verdicts_line(report["verdicts"]))
     print("\n" + for_the_manual(render(report)))

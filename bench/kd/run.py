@@ -3,12 +3,12 @@ import json
 import os
 import statistics
 
-from bench.common import (ROOT, busy_warning, child_env, floors_line, heading, machine_line, md_table, python_m,
+from bench.common import (ROOT, busy_warning, child_env, heading, machine_line, md_table, python_m,
                           for_the_manual, spread, verdict)
 from bench.cli import OUTPUT, RUN, out_option, quick_option, tmp_option
 from bench.kd.scenarios import (BATCH, ORDER, REQUIRED, RSS, SEED, STUDENT, TARGETS, THREADS, alone_summary, log,
                                 merged, plot_online, result_rows, rounded, run_rounds)
-from bench.paired import paired, shown
+from bench.paired import paired, shown, verdicts_line
 from kdcache.args import Int, Option, OutFile
 
 DEFAULT_OUT = os.path.join("bench", "results", "kd.json")
@@ -16,8 +16,10 @@ PNG_NAME = "kd_online.png"
 
 # Sizes: full run and --quick. rounds: how many times every scenario and the teacher alone run, interleaved
 # (bench.paired NOTE): the floors are decided on the rounds' paired ratios.
-FULL = dict(epoch_s=6.0, min_steps=30, max_steps=400, epochs=2, reps=7, tries=4, rounds=5)
-QUICK = dict(epoch_s=1.5, min_steps=6, max_steps=40, epochs=1, reps=3, tries=1, rounds=3)
+# --quick's rounds after the first run the guard's pair alone (warm, student alone: scenarios.GUARD), so that its
+# paired figure comes in under three minutes; its other floors rest on one run and are UNMEASURABLE.
+FULL = dict(epoch_s=6.0, min_steps=30, max_steps=400, epochs=2, reps=7, tries=4, rounds=5, full_rounds=5)
+QUICK = dict(epoch_s=1.5, min_steps=6, max_steps=40, epochs=1, reps=3, tries=1, rounds=5, full_rounds=1)
 
 OPTIONS = [
     quick_option("a data set of a few seconds per epoch (figures noisier)"),
@@ -26,7 +28,8 @@ OPTIONS = [
     tmp_option("directory for teachers, caches and runs, kept there for inspection (runs, logs; default: a "
                "temporary folder, removed)"),
     Option("--rounds", f"times every scenario runs, interleaved; floors are decided on the paired ratios' median "
-           f"(default {FULL['rounds']}, --quick {QUICK['rounds']})", type=Int(1, 50), metavar="N", group=RUN),
+           f"(default {FULL['rounds']}; --quick {QUICK['rounds']}, every scenario in the first, warm and the student "
+           f"alone in the others)", type=Int(1, 50), metavar="N", group=RUN),
 ]
 
 FLOORS = {"warm_vs_student_only": 0.97,           # warm samples/s >= 0.97 x student_only samples/s
@@ -115,12 +118,13 @@ def floors(by, alone):
                    FLOORS["warm_vs_student_only"])
         out.append({"floor": "warm_vs_student_only", "pair": pair, **f,
                     "compares": "samples/s of warm / samples/s of student_only, round by round"})
-        slowest = [max(a["epoch_s"], r["student_only"]["epoch1_s"]) for a, r in zip(passes, rounds)]
+        full = rounds[:len(passes)]  # the rounds that ran every scenario and the teacher alone
+        slowest = [max(a["epoch_s"], r["student_only"]["epoch1_s"]) for a, r in zip(passes, full)]
         stages = ["teacher" if a["epoch_s"] >= r["student_only"]["epoch1_s"] else "student"
-                  for a, r in zip(passes, rounds)]
+                  for a, r in zip(passes, full)]
         for sc in ("online", "ring"):
-            runs = [r[sc]["epoch1_s"] for r in rounds]
-            waits = [(r[sc].get("startup") or {}).get("first_step_wait_s") for r in rounds]
+            runs = [r[sc]["epoch1_s"] for r in full]
+            waits = [(r[sc].get("startup") or {}).get("first_step_wait_s") for r in full]
             f = paired([e / s_ for e, s_ in zip(runs, slowest)], FLOORS["epoch1_vs_slowest_stage"],
                        higher_is_better=False)
             out.append({"floor": f"{sc}_epoch1_vs_slowest_stage", "pair": pair, **f,
@@ -130,7 +134,8 @@ def floors(by, alone):
                         # informative: the same without the first step's wait for the producer's start-up
                         "measured_without_startup_wait": None if None in waits else
                         round(statistics.median((e - w) / s_ for e, w, s_ in zip(runs, waits, slowest)), 4)})
-    rounds, passes = by["heavy"], alone["heavy"]
+    passes = alone["heavy"]
+    rounds = by["heavy"][:len(passes)]
     s_ = statistics.median(r["student_only"]["epoch1_s"] for r in rounds)
     t_ = statistics.median(a["epoch_s"] for a in passes)
     def ideal(sc, s, t, e):
@@ -180,6 +185,7 @@ def params(parser, args):
     p = dict(QUICK if args.quick else FULL)
     if args.rounds is not None:
         p["rounds"] = args.rounds
+        p["full_rounds"] = min(p["full_rounds"], args.rounds) if args.quick else args.rounds
     return p
 
 
@@ -199,10 +205,10 @@ def run(kids, args, p, root):
             f"student step {c['step_ms']:.1f} ms per batch of {BATCH}: ratio {c['ratio']:.3f} (target "
             f"{c['target']:.3f})")
     log(f"data set {dataset}: {steps} steps of {BATCH} per epoch (~{steps * prep['student_step_ms'] / 1e3:.1f} s "
-        f"of student), {epochs} epoch(s), {p['rounds']} round(s) of every scenario")
+        f"of student), {epochs} epoch(s), {p['rounds']} round(s), every scenario in {p['full_rounds']} of them")
     scenarios = [sc for sc in ORDER if sc in REQUIRED or not args.quick]
 
-    rounds, passes = run_rounds(prep, epochs, root, kids, scenarios, p["rounds"])
+    rounds, passes = run_rounds(prep, epochs, root, kids, scenarios, p["rounds"], full_rounds=p["full_rounds"])
     by = {pair: merged(rounds[pair]) for pair in TARGETS}
     alone = {pair: alone_summary(passes[pair]) for pair in TARGETS}
     fl = floors(rounds, passes)
@@ -250,7 +256,7 @@ def run(kids, args, p, root):
         "results": results,
         "floors": {f"{f['floor']}:{f['pair']}": f for f in fl},
         "all_pass": all(f["verdict"] == "PASS" for f in fl),
-        "rounds": p["rounds"],
+        "rounds": p["rounds"], "full_rounds": p["full_rounds"],
         "calibration": calibration,
         "stages": stages,
         "startup": {pair: {sc: by[pair][sc].get("startup") for sc in ("online", "ring")} for pair in TARGETS},
@@ -335,13 +341,8 @@ def show(report):
         for pair in TARGETS:
             print(f"### {pair} teacher, student on gpu:0, teacher on the CPU\n")
             print(pair_table([r for r in gpu["results"] if r["pair"] == pair]) + "\n")
-    missed = [f"{f['floor']} ({f['pair']})" for f in fl if f["verdict"] == "MISS"]
-    print(floors_line(missed))
-    unmeasurable = [f"{f['floor']} ({f['pair']}, " + ("one run" if f["spread"] is None else f"±{f['spread']:.3f}") + ")"
-                    for f in fl if f["verdict"] == "UNMEASURABLE"]
-    if unmeasurable:
-        print(f"Unmeasurable at this run's spread (the floor lies closer to 1.0 than the spread; more --rounds "
-              f"narrow it): {', '.join(unmeasurable)}.")
+    print(verdicts_line({f"{f['floor']} ({f['pair']}, " + ("one run" if f["spread"] is None else
+                                                         f"±{f['spread']:.3f}") + ")": f["verdict"] for f in fl}))
     print("\n" + for_the_manual(render(report)))
     print(f"Plot: {report['plot']}")
     return 1 if gpu.get("error") else 0

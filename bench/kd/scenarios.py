@@ -103,7 +103,7 @@ def startup_note(res, run_dir, steps):
     return out
 
 
-def run_pair(pair, prep, epochs, root, kids, ctx=None, scenarios=ORDER, round_=0):
+def run_pair(pair, prep, epochs, root, kids, ctx=None, scenarios=ORDER, round_=0, warm_dir=None):
     """Every scenario of one teacher/student pair, each cache-mode run in a fresh cache directory
     that holds only the trainer's test-split cache. Returns {scenario: result}. `round_` > 0: a
     repeat, in directories of its own."""
@@ -134,12 +134,12 @@ def run_pair(pair, prep, epochs, root, kids, ctx=None, scenarios=ORDER, round_=0
             kw = {"student_only": dict(mode="none"),
                   "inline": dict(mode="inline", teacher=teacher),
                   "online": dict(mode="cache", teacher=teacher, cache_dir=dirs["online"]),
-                  "warm": dict(mode="cache", teacher=teacher, cache_dir=dirs["online"]),
+                  "warm": dict(mode="cache", teacher=teacher, cache_dir=warm_dir or dirs["online"]),
                   "ring": dict(mode="cache", teacher=teacher, cache_dir=dirs["ring"], store="ring")}[sc]
             res = kids.run(trainer_argv(dataset, runs, run, ep, ctx=ctx, **kw), f"{tag} {sc}", env=env,
                            log_dir=logs, cwd=base, rss=RSS)
             run_dir = os.path.join(runs, run)
-            res["run_dir"] = run_dir
+            res["run_dir"], res["cache_dir"] = run_dir, kw.get("cache_dir")
             res["history"] = (read_json(os.path.join(run_dir, "metrics.json")) or {}).get("history")
             res["test_producer_started"] = os.path.exists(os.path.join(run_dir, "producer-test.log"))
             if res["test_producer_started"]:
@@ -154,18 +154,28 @@ def run_pair(pair, prep, epochs, root, kids, ctx=None, scenarios=ORDER, round_=0
     return out
 
 
-def run_rounds(prep, epochs, root, kids, scenarios, rounds, ctx=None):
-    """`rounds` rounds, each: for every pair, the teacher alone once, then every scenario (round_order).
-    Returns (by, alone): by[pair] a list of {scenario: result} per round, alone[pair] a list of passes."""
+# The guard's pair: a round after the full ones (--quick) runs only these, warm reading the cache the first
+# round's online run filled: the paired warm / student-alone figure a change to the step or the reader is given.
+GUARD = ["warm", "student_only"]
+
+
+def run_rounds(prep, epochs, root, kids, scenarios, rounds, ctx=None, full_rounds=None):
+    """`rounds` rounds, each: for every pair, the teacher alone once, then every scenario (round_order);
+    rounds after the first `full_rounds` (default: all) run the GUARD scenarios only. Returns (by, alone):
+    by[pair] a list of {scenario: result} per round, alone[pair] a list of passes (one per full round)."""
+    full_rounds = rounds if full_rounds is None else full_rounds
     by = {pair: [] for pair in prep["pairs"]}
     alone = {pair: [] for pair in prep["pairs"]}
     for r in range(rounds):
+        full = r < full_rounds
         for pair, c in prep["pairs"].items():
-            log(f"round {r + 1} of {rounds}, pair {pair}")
-            if ctx is None:
+            log(f"round {r + 1} of {rounds}{'' if full else ' (warm and student alone only)'}, pair {pair}")
+            if ctx is None and full:
                 alone[pair].append(teacher_alone(pair, c["prefix"], prep["dataset"], root, kids, r))
-            by[pair].append(run_pair(pair, prep, epochs, root, kids, ctx=ctx, scenarios=round_order(scenarios, r),
-                                     round_=r))
+            order = round_order(scenarios, r) if full else [sc for sc in round_order(scenarios, r) if sc in GUARD]
+            warm_dir = None if full else by[pair][0]["online"]["cache_dir"]
+            by[pair].append(run_pair(pair, prep, epochs, root, kids, ctx=ctx, scenarios=order, round_=r,
+                                     warm_dir=warm_dir))
     return by, alone
 
 
@@ -181,6 +191,10 @@ def merged(rounds):
         res["startup_runs"] = [x.get("startup") for x in runs]
         res["samples_per_s"] = statistics.median(res["runs_samples_per_s"])
         res["epoch1_s"] = statistics.median(res["epoch1_runs"])
+        # a teacher forward or a producer in any round shows (warm must have none in every round)
+        res["teacher_forwards"] = max(x.get("teacher_forwards") or 0 for x in runs)
+        if "producer_started" in res:
+            res["producer_started"] = any(x.get("producer_started") for x in runs)
         peaks = [x.get("_peak_rss_mib") or {} for x in runs]
         res["_peak_rss_mib"] = {k: max(p.get(k, 0.0) for p in peaks) for k in set().union(*peaks)}
         out[sc] = res

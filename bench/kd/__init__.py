@@ -2,7 +2,8 @@
 
     python -m bench.kd [--quick] [--rounds N] [--out bench/results/kd.json] [--tmp DIR]
 
-A full run (5 rounds) takes about 25 min on 2 idle cores, --quick (3 rounds) under 3 min.
+A full run (4 rounds) takes about 20 min on 2 idle cores, --quick (one round of every scenario, four of warm and
+the student alone) under 3 min.
 
 This process never imports MXNet; every MXNet process is a child with OMP_NUM_THREADS=1 (the
 only knob that limits MXNet's compute threads, fixed before `import mxnet`). On this CPU-only
@@ -34,7 +35,7 @@ Floors use two more measurements of each pair: "teacher alone" (the producer's o
 cache_builder.produce.produce_offline, as `python -m kdcache.cache_builder --threads 1` runs it in a process
 of its own, filling the train split into a fresh cache: rows/s of the loop -> seconds per epoch) and
 "student alone" (student_only's epoch 1). Runs here vary by several per cent from one to the next, so
-everything runs in rounds (--rounds, default 5, --quick 3): each round runs the teacher alone and every
+everything runs in rounds (--rounds, default 4; --quick 5, every scenario in the first only): each round runs the teacher alone and every
 scenario of each pair once, in ORDER (reversed after `online` every second round); every floor is decided
 on the median of the rounds' paired ratios (warm / student_only of the same round, ...) and its spread
 (bench.paired NOTE: a floor closer to 1.0 than the spread is UNMEASURABLE, not PASS or MISS).

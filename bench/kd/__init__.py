@@ -2,7 +2,7 @@
 
     python -m bench.kd [--quick] [--rounds N] [--out bench/results/kd.json] [--tmp DIR]
 
-A full run (4 rounds) takes about 20 min on 2 idle cores, --quick (one round of every scenario, four of warm and
+A full run (4 rounds) takes about 17 min on 2 idle cores, --quick (one round of every scenario, four of warm and
 the student alone) under 3 min.
 
 This process never imports MXNet; every MXNet process is a child with OMP_NUM_THREADS=1 (the
@@ -12,7 +12,7 @@ machine two devices are emulated by two cores: where the teacher and the student
 where they run together (inline) they share the student's one core, as on one GPU.
 
 Data: `synthetic` 3x32x32, 10 classes, sized from the measured student step so that one student
-epoch takes about 6 s (--quick: 1.5 s); 2 epochs (--quick: 1). Student: `small_cnn`. Two
+epoch takes about 5 s (--quick: 1.5 s); 2 epochs (--quick: 1). Student: `small_cnn`. Two
 teachers, exported here (explicit prefix, fixed seed): a VGG-style CNN whose width (a multiple
 of 8) and depth are calibrated so that its forward of a batch takes about 1/3 (light) or 2x
 (heavy) the student's training step on the same batch, both on one thread; the measured ratios

@@ -18,7 +18,7 @@ PNG_NAME = "kd_online.png"
 # (bench.paired NOTE): the floors are decided on the rounds' paired ratios.
 # --quick's rounds after the first run the guard's pair alone (warm, student alone: scenarios.GUARD), so that its
 # paired figure comes in under three minutes; its other floors rest on one run and are UNMEASURABLE.
-FULL = dict(epoch_s=6.0, min_steps=30, max_steps=400, epochs=2, reps=7, tries=4, rounds=4, full_rounds=4)
+FULL = dict(epoch_s=5.0, min_steps=30, max_steps=400, epochs=2, reps=7, tries=4, rounds=4, full_rounds=4)
 QUICK = dict(epoch_s=1.5, min_steps=6, max_steps=40, epochs=1, reps=3, tries=1, rounds=5, full_rounds=1)
 
 OPTIONS = [

@@ -67,7 +67,7 @@ def in_package(name, pkg):
 
 
 # bench/ holds the modules every benchmark shares and one folder per benchmark, nothing else.
-BENCH_SHARED = {"__init__.py", "common.py", "cli.py", "flops.py", "docs.py"}
+BENCH_SHARED = {"__init__.py", "common.py", "cli.py", "flops.py", "docs.py", "paired.py"}
 BENCH_FOLDERS = sorted(d for d in os.listdir(os.path.join(ROOT, "bench"))
                        if os.path.isfile(os.path.join(ROOT, "bench", d, "__init__.py")))
 

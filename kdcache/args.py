@@ -207,6 +207,17 @@ class Dir(Allowed):
         return s
 
 
+class Address(Allowed):
+    """A Ray cluster's address: auto (the cluster `ray start` made on this host), HOST:PORT or ray://HOST:PORT."""
+
+    def __call__(self, s):
+        s = str(s).strip()
+        m = re.fullmatch(r"(ray://)?([A-Za-z0-9_.-]{1,253}|\[[0-9A-Fa-f:.]{2,45}\]):(\d{1,5})", s)
+        if s != "auto" and not (m and 1 <= int(m.group(3)) <= 65535):
+            fail(f"{s!r}: use auto, HOST:PORT or ray://HOST:PORT (the address `ray start --head` printed)")
+        return s
+
+
 class OutFile(Allowed):
     """A file to write: its folder must exist, and the path must not be a folder."""
 

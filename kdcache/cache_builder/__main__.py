@@ -10,7 +10,7 @@ import signal
 import sys
 import time
 
-from kdcache.args import Int, Name, Option, OutFile, Parser, add_options
+from kdcache.args import Address, Dir, Int, Name, Option, OutFile, Parser, add_options
 from kdcache.pipeline.interrupts import exit_status, stop_word, take_sigterm
 from kdcache.pipeline.options import SHARED, Shard, check_applies, check_views, resolve_teacher
 from kdcache.threads import fix_threads
@@ -54,6 +54,24 @@ PRODUCER = [
     Option("--shards", "fork N shard producers after loading the data set once (each --threads, default "
            "cores/N); the same as N commands with --shard 0/N .. N-1/N, minus N-1 start-ups", type=Int(1, 256),
            default=1, metavar="N", group="producing", make="SHARDS"),
+    Option("--engine", "local: this process (with --scratch, it writes immutable parts); ray: Ray actors on the "
+           "cluster at --address (a local one on 127.0.0.1 without it) fill the cache as immutable parts, one per "
+           "task of --block-rows keys, each published exactly once (needs pip install 'kdcache[ray]')",
+           choices=("local", "ray"), default="local", group="many hosts"),
+    Option("--address", "with --engine ray: the cluster to run on, auto (the one `ray start` made here) or "
+           "HOST:PORT (default: start a local cluster on 127.0.0.1 for this command, stopped after)",
+           type=Address(), metavar="ADDRESS", group="many hosts"),
+    Option("--actors", "with --engine ray: teacher actors (default: the cluster's CPUs / --actor-cpus)",
+           type=Int(1, 4096), metavar="N", group="many hosts"),
+    Option("--actor-cpus", "with --engine ray: CPUs (and teacher threads) of each actor", type=Int(1, 256),
+           default=1, metavar="N", group="many hosts"),
+    Option("--block-rows", "keys per task (one immutable part each); a multiple of --batch-size gives parts bit "
+           "for bit equal to a one-host build's rows", type=Int(1, 1 << 30), default=4096, metavar="N",
+           group="many hosts"),
+    Option("--scratch", "write each part in DIR first (local disk), then publish it into the cache folder; with "
+           "the local engine this switches the producer to parts (--shard i/n: tasks j with j mod n = i), so "
+           "hosts sharing a network file system never write a file another reads (default for --engine ray: "
+           "a folder in the temp directory)", type=Dir(), metavar="DIR", group="many hosts"),
     Option("--ring", "stream to the shared-memory ring NAME instead of a cache file (pure streaming: keys are "
            "(sample, epoch), nothing is persisted; implies --online); it waits $KDCACHE_RING_TIMEOUT seconds (default "
            f"{RING_TIMEOUT:g}) for the trainer to create the ring", type=Name(), metavar="NAME",
@@ -106,6 +124,15 @@ def parse_args(argv=None, prog="python -m kdcache.cache_builder"):
     if args.hold and (not args.online or args.ring or args.shards > 1 or args.cache):
         p.error("argument --hold: it holds an --online producer until its cache is named on stdin; add --online, "
                 "drop --ring, --shards and --cache")
+    parts = args.engine == "ray" or args.scratch
+    if parts and (args.online or args.ring or args.hold or args.shards > 1):
+        p.error(f"argument {'--engine ray' if args.engine == 'ray' else '--scratch'}: parts are filled offline, in "
+                f"key order; drop --online, --ring, --hold and --shards (use --actors, or --shard i/n per host)")
+    if args.engine == "ray" and args.shard.count > 1:
+        p.error("argument --shard: with --engine ray the driver gives every task to the cluster's actors; drop --shard")
+    for name in ("address", "actors"):
+        if getattr(args, name) is not None and args.engine != "ray":
+            p.error(f"argument --{name}: it applies to --engine ray; add it (or drop --{name})")
     if args.split == "test" and (args.online or args.ring):
         p.error("argument --split: the test split is filled offline; drop --online/--ring")
     return args
@@ -189,6 +216,12 @@ def run(args, log):
             return run_ring(args, log, topt, dataset, augment, spec, result, timeline)
         finally:
             write_timeline(args.timeline, timeline)
+    if args.engine == "ray":
+        from kdcache.cache_builder.ray_engine import run_ray
+        return report(args, log, spec, run_ray(args, log, path, spec, result, t0))
+    if args.scratch:
+        from kdcache.cache_builder.fleet import run_local
+        return report(args, log, spec, run_local(args, log, path, spec, result, t0))
     if args.shards > 1:
         return run_shards(args, log, path, spec, result, t0,
                           lambda i: fill(args, log, (i, args.shards), path, spec, dataset, augment, topt,

@@ -16,10 +16,16 @@ ENV_DIR = "KDCACHE_DIR"
 # ASCII digits only: Python's \d also matches other scripts' digits, which kdcache never writes.
 COMPACT_TMP = re.compile(r"^([0-9a-f]{8,64})\.h5\.tmp-(\d+)$", re.ASCII)        # a compaction's temporary file
 ASIDE = re.compile(r"^\.([0-9a-f]{8,64})\.(h5|parts)\.gc-(\d+)$", re.ASCII)      # an entry renamed aside for removal
-# A producer's files inside P.parts/: segments (also while created) and shard locks (its heartbeat).
-BUILD_FILE = re.compile(r"^(\.?seg-\d+of\d+-\d+-\d+\.h5(\.tmp)?|shard-\d+of\d+\.lock)$", re.ASCII)
+# Immutable parts (store.parts): a published part, and what a publish writes before its link (named for
+# its host and pid), or a damaged part set aside.
+PART = re.compile(r"^part-(\d{12})-(\d{12})-([0-9a-f]{8})\.h5$", re.ASCII)
+PART_TMP = re.compile(r"^\.part-\d{12}-\d{12}-[0-9a-f]{8}\.h5\.(tmp-[A-Za-z0-9_.-]{1,64}-\d+|damaged-\d+)$", re.ASCII)
+_PARTS = r"|\.?part-\d{12}-\d{12}-[0-9a-f]{8}\.h5(\.(tmp-[A-Za-z0-9_.-]{1,64}-\d+|damaged-\d+))?|fleet-[A-Za-z0-9_.-]{1,64}-\d+\.lock"
+# A producer's files inside P.parts/: segments (also while created), parts, shard locks and a fleet
+# driver's lock (their heartbeats).
+BUILD_FILE = re.compile(r"^(\.?seg-\d+of\d+-\d+-\d+\.h5(\.tmp)?|shard-\d+of\d+\.lock" + _PARTS + r")$", re.ASCII)
 # Files kdcache writes inside P.parts/ (see schema.py for what each holds).
-OWN_PART = re.compile(r"^(manifest\.json(\.tmp-\d+)?|\.?seg-\d+of\d+-\d+-\d+\.h5(\.tmp)?|shard-\d+of\d+\.lock"
+OWN_PART = re.compile(r"^(manifest\.json(\.tmp-\d+)?|\.?seg-\d+of\d+-\d+-\d+\.h5(\.tmp)?|shard-\d+of\d+\.lock" + _PARTS +
                       r"|compact\.lock|trainer-\d+\.json(\.tmp-\d+)?|\.compact-[a-z_]+\.tmp"
                       r"|demand-\d+-(wait|next)\.npy(\.tmp-\d+)?)$", re.ASCII)
 

@@ -13,6 +13,7 @@ import numpy as np
 
 from . import probe, schema, seal
 from .errors import CacheChangedError, CacheNotFoundError, DamagedFileError, UnsupportedFormatError
+from .paths import PART
 from .osutil import NotOurs, check_trusted, is_ours, listdir, open_regular, read_regular, regular, skipped
 from .validate import check_committed, check_keys, check_segment, read_meta  # noqa: F401 (read_meta: re-exported)
 
@@ -303,11 +304,11 @@ def write_json_atomic(path, obj):
 
 
 def list_segments(parts_dir):
-    """The segments of a parts folder; an entry named like one that is not a regular file (a FIFO,
-    a link, a folder) is skipped."""
+    """The segments and published parts (store.parts: closed segments of fixed names) of a parts folder;
+    an entry named like one that is not a regular file (a FIFO, a link, a folder) is skipped."""
     out = []
     for n in listdir(parts_dir):
-        if n.startswith("seg-") and n.endswith(".h5"):
+        if (n.startswith("seg-") and n.endswith(".h5")) or PART.match(n):
             p = os.path.join(parts_dir, n)
             try:
                 regular(p)
@@ -323,13 +324,14 @@ def list_segments(parts_dir):
 def lock_holders(parts_dir, heartbeat_timeout=10.0):
     """The producers alive on this cache: [(lock path, info dict)].
 
+    A fleet driver (cache_builder.fleet) holds a `fleet-<host>-<pid>.lock` the same way.
     On this host a producer is alive exactly while it holds its shard's flock (the kernel drops
     it when the process dies, even by kill -9, and a zombie holds nothing). For a producer on
     another host (shared file system) its heartbeat, the lock file's mtime, must be fresh.
     """
     import fcntl
     out = []
-    names = sorted(n for n in listdir(parts_dir) if n.startswith("shard-") and n.endswith(".lock"))
+    names = sorted(n for n in listdir(parts_dir) if n.endswith(".lock") and n.startswith(("shard-", "fleet-")))
     for n in names:
         path = os.path.join(parts_dir, n)
         try:

@@ -41,6 +41,46 @@ def check_final_matches(path, spec):
                                      f"damaged; remove it and rebuild")
 
 
+def prepare_parts(path, spec):
+    """The parts folder of the cache at `path` made (or found) this user's, with the manifest of `spec`
+    written (a folder of another cache's, or of files kdcache did not write, refused). Returns its path."""
+    base, parts = base_path(path), parts_path(path)
+    parent = os.path.dirname(base) or "."
+    if os.path.exists(parent) and not os.path.isdir(parent):
+        raise StoreError(f"cache directory {parent} is a file, not a directory: pass --cache-dir "
+                         f"to a directory (or set KDCACHE_DIR)")
+    try:
+        os.makedirs(parts, exist_ok=True)
+    except FileExistsError:
+        raise StoreError(f"{parts} exists and is not a directory: remove it, or pass another "
+                         f"--cache-dir") from None
+    except OSError as e:
+        raise fs_error(e, parts, "make the cache directory writable or pass another --cache-dir") from None
+    try:
+        st = os.lstat(parts)
+    except FileNotFoundError:  # removed again by a gc: the writer's lock sees it and starts over
+        return parts
+    if stat.S_ISLNK(st.st_mode) or not own(st):  # written into, a link would lead anywhere
+        what = "a symbolic link" if stat.S_ISLNK(st.st_mode) else f"a folder of uid {st.st_uid}"
+        raise StoreError(f"{parts} is {what}, not a folder of this user's kdcache: pass another "
+                         f"--cache-dir, or move it away")
+    manifest = read_manifest(parts)
+    other = foreign_files(parts) if manifest is None else None
+    if other:
+        raise StoreError(f"{parts} holds files kdcache did not write ({', '.join(other[:3])}) and no "
+                         f"manifest: it is not a cache in progress; move it away, or pass another --cache-dir")
+    if manifest is None:
+        try:
+            write_json_atomic(os.path.join(parts, schema.MANIFEST), spec.meta())
+        except OSError as e:
+            raise fs_error(e, parts, "make the cache directory writable or pass another --cache-dir") from None
+    elif manifest.get(schema.A_FINGERPRINT) != spec.fingerprint:
+        raise FingerprintMismatchError(
+            f"{parts} holds a cache in progress for fingerprint {manifest.get(schema.A_FINGERPRINT)}, "
+            f"these inputs give {spec.fingerprint}: pass another cache path, or remove it to rebuild")
+    return parts
+
+
 class CacheWriter:
     """Append (keys, logits) batches to the cache at `path` (a base path, `.h5` or `.parts`).
 
@@ -99,39 +139,7 @@ class CacheWriter:
 
     # -- set-up ------------------------------------------------------------------------------
     def _prepare_dir(self):
-        parent = os.path.dirname(self.base) or "."
-        if os.path.exists(parent) and not os.path.isdir(parent):
-            raise StoreError(f"cache directory {parent} is a file, not a directory: pass --cache-dir "
-                             f"to a directory (or set KDCACHE_DIR)")
-        try:
-            os.makedirs(self.parts, exist_ok=True)
-        except FileExistsError:
-            raise StoreError(f"{self.parts} exists and is not a directory: remove it, or pass another "
-                             f"--cache-dir") from None
-        except OSError as e:
-            raise fs_error(e, self.parts, "make the cache directory writable or pass another --cache-dir") from None
-        try:
-            st = os.lstat(self.parts)
-        except FileNotFoundError:  # removed again by a gc: _lock sees it and starts over
-            return
-        if stat.S_ISLNK(st.st_mode) or not own(st):  # written into, a link would lead anywhere
-            what = "a symbolic link" if stat.S_ISLNK(st.st_mode) else f"a folder of uid {st.st_uid}"
-            raise StoreError(f"{self.parts} is {what}, not a folder of this user's kdcache: pass another "
-                             f"--cache-dir, or move it away")
-        manifest = read_manifest(self.parts)
-        other = foreign_files(self.parts) if manifest is None else None
-        if other:
-            raise StoreError(f"{self.parts} holds files kdcache did not write ({', '.join(other[:3])}) and no "
-                             f"manifest: it is not a cache in progress; move it away, or pass another --cache-dir")
-        if manifest is None:
-            try:
-                write_json_atomic(os.path.join(self.parts, schema.MANIFEST), self.spec.meta())
-            except OSError as e:
-                raise fs_error(e, self.parts, "make the cache directory writable or pass another --cache-dir") from None
-        elif manifest.get(schema.A_FINGERPRINT) != self.spec.fingerprint:
-            raise FingerprintMismatchError(
-                f"{self.parts} holds a cache in progress for fingerprint {manifest.get(schema.A_FINGERPRINT)}, "
-                f"these inputs give {self.spec.fingerprint}: pass another cache path, or remove it to rebuild")
+        prepare_parts(self.base, self.spec)
 
     def _lock(self, wait_s):
         """Take this shard's lock. False when the folder was removed (renamed aside by `gc`, or by a

@@ -1,0 +1,190 @@
+"""--engine ray: the producer's tasks (cache_builder.fleet) run by Ray actors on any number of hosts.
+
+The driver (this process) plans the owed blocks, starts actors that each load the data set and the
+teacher once (with --actor-cpus threads, the CPUs Ray gives it), and hands each actor one task at a
+time. An actor whose process dies is restarted by Ray (max_restarts=-1: on another node when its
+node is gone) and the driver gives the task again (counted as a retry); a task published twice is
+dropped the second time (NOTE [parts]). Without --address the driver starts a local Ray cluster on
+127.0.0.1 for its own lifetime and stops it after.
+"""
+import collections
+import logging
+import os
+import time
+
+from kdcache.cache_builder.errors import ProducerError
+from kdcache.cache_builder.fleet import FINISH_ROUNDS, FleetLock, TaskRunner, finish, owed, plan, prepare
+
+TASK_RETRIES = 5  # gives of one task to actors that died before the driver gives up on it
+EXTRA = "pip install 'kdcache[ray]'"
+
+
+def import_ray():
+    try:
+        import ray
+    except ImportError as e:
+        raise ProducerError(f"--engine ray needs Ray, which cannot be imported here ({e}): {EXTRA}") from None
+    return ray
+
+
+class PartActor:
+    """A Ray actor: one TaskRunner, loaded once; `run` computes and publishes one task's part."""
+
+    def __init__(self, args, fingerprint, parts_dir, threads):
+        from kdcache.cache_builder.fleet import scratch_dir
+        self.runner = TaskRunner(args, fingerprint, parts_dir, scratch_dir(args), threads=threads)
+
+    def ready(self):
+        return os.getpid()
+
+    def run(self, a, b, keys):
+        return self.runner.run(a, b, keys)
+
+    def forwards(self):
+        return self.runner.teacher.forwards
+
+
+def start(ray, args, log):
+    """Connect to the cluster at --address, or start a local one on 127.0.0.1; True when started here."""
+    quiet = dict(log_to_driver=False, logging_level=logging.WARNING, include_dashboard=False)
+    if args.address:
+        log.info("connecting to the Ray cluster at %s", args.address)
+        ray.init(address=args.address, log_to_driver=False, logging_level=logging.WARNING)
+        return False
+    cpus = args.cores
+    log.info("starting a local Ray cluster on 127.0.0.1 with %d CPU(s) for this command", cpus)
+    ray.init(address="local", num_cpus=cpus, _node_ip_address="127.0.0.1", **quiet)
+    return True
+
+
+def run_ray(args, log, path, spec, result, t0):
+    from tqdm import tqdm
+    from kdcache import signals
+    ray = import_ray()
+    parts_dir = prepare(path, spec)
+    if parts_dir is None:
+        result.update(reused=True, complete=True, cache_path=path + ".h5", engine="ray")
+        return result
+    lock = FleetLock(parts_dir)
+    started = False
+    stats = {"tasks": 0, "retries": 0, "duplicates": 0, "rows_written": 0, "damaged_parts": 0}
+    nodes, hosts = set(), set()
+    actors = []
+    complete = False
+    try:
+        started = start(ray, args, log)
+        cpus = int(ray.cluster_resources().get("CPU", 1))
+        n = args.actors or max(1, cpus // args.actor_cpus)
+        env = {"OMP_NUM_THREADS": str(args.actor_cpus), "OPENCV_FOR_THREADS_NUM": str(args.actor_cpus),
+               "PYTHONDONTWRITEBYTECODE": "1"}
+        Actor = ray.remote(PartActor).options(num_cpus=args.actor_cpus, max_restarts=-1, max_task_retries=0,
+                                              runtime_env={"env_vars": env})
+        log.info("%d actor(s) of %d CPU(s) each on a cluster of %d CPU(s); tasks of %d rows", n, args.actor_cpus,
+                 cpus, args.block_rows)
+        actors = [Actor.remote(args, spec.fingerprint, parts_dir, args.actor_cpus) for _ in range(n)]
+        _ready(ray, actors, signals)
+        for _ in range(FINISH_ROUNDS):
+            tasks = plan(spec, owed(parts_dir, spec), args.block_rows)
+            bar = tqdm(total=sum(t[2].size for t in tasks), unit="row", desc="teacher (ray)",
+                       disable=args.quiet, dynamic_ncols=True)
+            try:
+                _dispatch(ray, actors, tasks, stats, nodes, hosts, bar, signals, log)
+            finally:
+                bar.close()
+            complete, report = finish(path, spec, parts_dir)
+            stats["damaged_parts"] += len(report["damaged"])
+            if complete or not report["damaged"]:
+                break
+        forwards = 0
+        for a in actors:
+            try:
+                forwards += ray.get(a.forwards.remote(), timeout=60)
+            except Exception:  # an actor restarted since: its forwards are counted in rows written
+                pass
+    finally:
+        lock.release()
+        for a in actors:
+            try:
+                ray.kill(a)
+            except Exception:  # the cluster is going down anyway
+                pass
+        if started:
+            ray.shutdown()
+    seconds = time.perf_counter() - t0
+    result.update(stats, engine="ray", complete=bool(complete), actors=len(actors), nodes=len(nodes),
+                  hosts=sorted(hosts), teacher_forwards=forwards, reused=False,
+                  rows_per_s=round(stats["rows_written"] / seconds, 1) if seconds else 0.0,
+                  seconds=round(seconds, 3), cache_path=path + (".h5" if complete else ".parts"))
+    return result
+
+
+def _cause(e):
+    return getattr(e, "cause", None) or e
+
+
+def _ready(ray, actors, signals):
+    """Every actor loaded: a data set or teacher that cannot be loaded on a host is one error line."""
+    pending = [a.ready.remote() for a in actors]
+    while pending:
+        signals.check()
+        done, pending = ray.wait(pending, num_returns=len(pending), timeout=1.0)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as e:
+                raise ProducerError(f"an actor could not load the teacher or the data set: {_one_line(e)}") from None
+
+
+def _one_line(e):
+    text = str(_cause(e))
+    for marker in ("ProducerError: ", "StoreError: ", "TeacherError: ", "DatasetError: "):
+        if marker in text:
+            text = text.rsplit(marker, 1)[1]
+    return text.strip().splitlines()[0][:400] if text.strip() else type(e).__name__
+
+
+def _dispatch(ray, actors, tasks, stats, nodes, hosts, bar, signals, log):
+    """Give every task to an actor, one at a time per actor, until all are published."""
+    queue = collections.deque(tasks)
+    tries = collections.Counter()
+    inflight = {}
+
+    def give(i):
+        if queue:
+            a, b, keys = task = queue.popleft()
+            inflight[actors[i].run.remote(a, b, keys)] = (i, task)
+
+    for i in range(len(actors)):
+        give(i)
+    lost = (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError, ray.exceptions.ObjectLostError,
+            ray.exceptions.NodeDiedError if hasattr(ray.exceptions, "NodeDiedError") else ray.exceptions.RayActorError)
+    while inflight:
+        signals.check()
+        ready, _ = ray.wait(list(inflight), num_returns=1, timeout=1.0)
+        for ref in ready:
+            i, task = inflight.pop(ref)
+            a, b, keys = task
+            try:
+                out = ray.get(ref)
+            except lost as e:
+                tries[a] += 1
+                stats["retries"] += 1
+                if tries[a] > TASK_RETRIES:
+                    raise ProducerError(f"task [{a}, {b}) was lost {tries[a]} times (its actor died each time: "
+                                        f"{_one_line(e)}): every part published so far is kept; run the same "
+                                        f"command again") from None
+                log.warning("task [%d, %d): its actor died (%s); given again", a, b, type(e).__name__)
+                queue.appendleft(task)
+                give(i)
+                continue
+            except ray.exceptions.RayTaskError as e:
+                raise ProducerError(f"task [{a}, {b}): {_one_line(e)}") from None
+            stats["tasks"] += 1
+            if out["outcome"] == "published":
+                stats["rows_written"] += out["rows"]
+            else:
+                stats["duplicates"] += 1
+            nodes.add(out["node"])
+            hosts.add(out["host"])
+            bar.update(out["rows"])
+            give(i)

@@ -21,7 +21,7 @@ from typing import Any, Optional, Union
 # the keyword with '_' as '-'); the values are checked by the options' own types.
 _OPTION_KEYWORDS = ("views", "augment", "codec", "dtype", "cache_dir", "cache", "seed", "data_root", "image_size",
                     "num_classes", "split", "teacher_input", "teacher_mean", "teacher_std", "teacher_size",
-                    "batch_size", "threads")
+                    "batch_size", "threads", "engine", "address", "actors", "actor_cpus", "block_rows", "scratch")
 
 
 class BuildError(ValueError):
@@ -124,8 +124,9 @@ def build_cache(teacher: Union[str, Any], dataset: str, *, views: int = 1, augme
     arbitrary gluon Dataset is refused: the producer loads the data itself, in its own process, so
     that the fingerprint records its files' digests the way the command line does.
     options: cache (an explicit cache path instead of <cache_dir>/<fingerprint>), data_root, image_size,
-    num_classes, split, teacher_input, teacher_mean, teacher_std, teacher_size, batch_size, threads (the
-    command's options of the same names). A cache at an explicit path built from another data set of the
+    num_classes, split, teacher_input, teacher_mean, teacher_std, teacher_size, batch_size, threads, and for
+    many hosts engine ("local" or "ray": Ray actors, `pip install 'kdcache[ray]'`), address, actors,
+    actor_cpus, block_rows, scratch (the command's options of the same names; docs/scaling.md). A cache at an explicit path built from another data set of the
     same length is refused naming the first item that differs (the cache records each item's digest).
     Raises BuildError with the producer's one line when it refuses (a bad option, a teacher that does
     not fit the data, ...). The producer runs in a child process (NOTE [one producer]).

@@ -228,3 +228,28 @@ def flip(path, at, bit):
         os.pwrite(fd, bytes([b ^ (1 << bit)]), at)
     finally:
         os.close(fd)
+
+
+def listening(pids):
+    """{(pid, local address)} of the TCP sockets that `pids` listen on, from `ss -ltnpH`."""
+    import re
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, timeout=30).stdout
+    found = set()
+    for line in out.splitlines():
+        cols = line.split()
+        if len(cols) < 6:
+            continue
+        host = cols[3].rsplit(":", 1)[0].strip("[]").split("%")[0]
+        for pid in map(int, re.findall(r"pid=(\d+)", line)):
+            if pid in pids:
+                found.add((pid, host))
+    return found
+
+
+def is_loopback(host):
+    import ipaddress
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return False  # '*' (every address), or a name
+    return ip.is_loopback or bool(getattr(ip, "ipv4_mapped", None) and ip.ipv4_mapped.is_loopback)

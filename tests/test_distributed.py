@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import ROOT
+from tests.helpers import is_loopback, listening  # noqa: F401 (the launcher's listeners)
 
 ENV = {**os.environ, "PYTHONPATH": ROOT, "MXNET_SUBGRAPH_VERBOSE": "0"}
 
@@ -148,31 +149,6 @@ def job_pids(root):
         pids |= more
         grew = bool(more)
     return pids
-
-
-def listening(pids):
-    """{(pid, local address)} of the TCP sockets that `pids` listen on, from `ss -ltnpH`."""
-    import re
-    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, timeout=30).stdout
-    found = set()
-    for line in out.splitlines():
-        cols = line.split()
-        if len(cols) < 6:
-            continue
-        host = cols[3].rsplit(":", 1)[0].strip("[]").split("%")[0]
-        for pid in map(int, re.findall(r"pid=(\d+)", line)):
-            if pid in pids:
-                found.add((pid, host))
-    return found
-
-
-def is_loopback(host):
-    import ipaddress
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        return False  # '*' (every address), or a name
-    return ip.is_loopback or bool(getattr(ip, "ipv4_mapped", None) and ip.ipv4_mapped.is_loopback)
 
 
 def watch_listeners(p, want):

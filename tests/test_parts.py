@@ -37,6 +37,14 @@ def rows_offset(path):
         return f["logits"].id.get_chunk_info(0).byte_offset
 
 
+def flip(path, offset, bit=4):
+    with open(path, "r+b") as fh:
+        fh.seek(offset)
+        b = fh.read(1)
+        fh.seek(offset)
+        fh.write(bytes([b[0] ^ (1 << bit)]))
+
+
 def test_a_part_is_published_once_an_equal_retry_is_dropped_and_a_different_one_refused(tmp_path):
     spec = make_spec(num_samples=100, num_classes=10)
     shared = tmp_path / "P.parts"
@@ -64,12 +72,7 @@ def test_a_damaged_part_is_named_and_set_aside_a_key_in_two_parts_must_agree(tmp
     for a in (0, 32):
         publish(part(tmp_path, spec, a, a + 32, np.arange(a, a + 32), seed=a), str(shared), spec)
     victim = sorted(glob.glob(str(shared / "part-*.h5")))[1]
-    off = rows_offset(victim)
-    with open(victim, "r+b") as fh:  # one flipped bit in the rows
-        fh.seek(off + 100)
-        b = fh.read(1)
-        fh.seek(off + 100)
-        fh.write(bytes([b[0] ^ 0x10]))
+    flip(victim, rows_offset(victim) + 100)  # one flipped bit in the rows
     with pytest.raises(DamagedFileError, match="CRC-32"):
         read_part(victim, spec)
     report = check_parts(str(shared), spec)
@@ -133,10 +136,7 @@ def test_a_damaged_part_is_caught_at_finish_and_computed_again(tmp_path, teacher
     assert not first["complete"]
     mine = sorted(glob.glob(str(tmp_path / "c" / "*.parts" / "part-*.h5")))
     assert len(mine) == 2
-    off = rows_offset(mine[0])
-    with open(mine[0], "r+b") as fh:
-        fh.seek(off + 7)
-        fh.write(b"\xff")
+    flip(mine[0], rows_offset(mine[0]) + 7)
     r = cli(*common, "--shard", "1/2", "--scratch", tmp_path / "s1", check=False)
     assert r.returncode == 0, r.stderr
     assert os.path.basename(mine[0]) in r.stderr and "damaged" in r.stderr  # named, set aside
@@ -174,3 +174,26 @@ def test_the_options_of_many_hosts_are_checked(tmp_path, teacher):
         r = cli("--teacher", teacher, "--dataset", "digits", *bad, check=False)
         assert r.returncode == 2 and says in r.stderr, (bad, r.stderr)
         assert len(r.stderr.strip().splitlines()) <= 3, r.stderr
+
+
+def test_verify_names_a_damaged_part_and_compaction_never_takes_one_in(tmp_path):
+    spec = make_spec(num_samples=64, num_classes=10)
+    base = str(tmp_path / spec.fingerprint)
+    from kdcache.store.writer import prepare_parts
+    parts = prepare_parts(base, spec)
+    publish(part(tmp_path, spec, 0, 32, np.arange(0, 32)), parts, spec)
+
+    def verify():
+        return subprocess.run([sys.executable, "-m", "kdcache.store", "verify", base], capture_output=True,
+                              text=True, env=CHILD_ENV, cwd=ROOT, timeout=120)
+    r = verify()
+    assert r.returncode == 1 and "incomplete: 32 of 64 keys" in r.stdout and "CRC-32" not in r.stdout, r.stdout
+    victim = glob.glob(os.path.join(parts, "part-*.h5"))[0]
+    flip(victim, rows_offset(victim) + 3)
+    r = verify()
+    assert r.returncode == 1 and os.path.basename(victim) in r.stdout and "CRC-32" in r.stdout, r.stdout + r.stderr
+    # every key covered, one part damaged: the compaction any tool starts sets it aside, never compacts it
+    publish(part(tmp_path, spec, 32, 64, np.arange(32, 64), seed=2), parts, spec)
+    r = verify()
+    assert r.returncode == 1 and "incomplete: 32 of 64 keys" in r.stdout, r.stdout + r.stderr
+    assert not os.path.exists(base + ".h5") and not os.path.exists(victim)

@@ -92,16 +92,27 @@ class TaskRunner:
         logits = np.concatenate(logits)
         encoded = spec.make_codec().encode(logits, keys=keys)
         local = os.path.join(self.scratch, part_name(a, b, keys))
+        t1 = time.perf_counter()
         try:
             write_part(local, spec, a, b, keys, encoded, np.concatenate(items), self.identity)
+            t2 = time.perf_counter()
             outcome = publish(local, self.parts_dir, spec)
         finally:
             try:
                 os.unlink(local)
             except FileNotFoundError:
                 pass
+        t3 = time.perf_counter()
         return {"a": int(a), "b": int(b), "rows": int(keys.size), "outcome": outcome,
-                "host": self.identity["host"], "node": _node(), "seconds": round(time.perf_counter() - t0, 3)}
+                "host": self.identity["host"], "node": _node(), "seconds": round(t3 - t0, 4),
+                "compute_s": round(t1 - t0, 4), "write_s": round(t2 - t1, 4), "publish_s": round(t3 - t2, 4)}
+
+
+def task_costs(outs):
+    """The median seconds of a task's steps (compute, write in scratch, publish), over the tasks run."""
+    if not outs:
+        return {}
+    return {k: round(float(np.median([o[k] for o in outs])), 4) for k in ("seconds", "compute_s", "write_s", "publish_s")}
 
 
 def _node():
@@ -169,20 +180,29 @@ def owed(parts_dir, spec):
 
 
 def finish(path, spec, parts_dir):
-    """Check every part, set damaged ones aside; compact when every key is covered. Returns
-    (complete, check report)."""
+    """Compact the cache when every key is covered: compaction checks every part first and sets a damaged
+    one aside (its keys are owed again, NOTE [parts]). Returns (complete, {"damaged": [names set aside]})."""
     from kdcache.store.compact import finalize
-    from kdcache.store.parts import check_parts
     from kdcache.store.paths import final_path
+    from kdcache.store.segment import count_done
     if os.path.exists(final_path(path)):
-        return True, {"parts": 0, "damaged": [], "rows": 0, "keys": spec.num_keys}
+        return True, {"damaged": []}
     try:
-        report = check_parts(parts_dir, spec)
+        before = set(_set_aside(parts_dir))
+        if count_done(parts_dir, spec) < spec.num_keys:
+            return False, {"damaged": []}
+        complete = finalize(path, spec)
     except FileNotFoundError:  # another driver compacted it meanwhile
-        return os.path.exists(final_path(path)), {"parts": 0, "damaged": [], "rows": 0, "keys": 0}
-    for name, why in report["damaged"]:
-        log.warning("part %s is damaged (%s): set aside, its keys are computed again", name, why)
-    return finalize(path, spec), report
+        return os.path.exists(final_path(path)), {"damaged": []}
+    damaged = [] if complete else sorted(set(_set_aside(parts_dir)) - before)
+    for name in damaged:
+        log.warning("part %s is damaged: set aside, its keys are computed again", name)
+    return complete, {"damaged": damaged}
+
+
+def _set_aside(parts_dir):
+    from kdcache.store.osutil import listdir
+    return [n.split(".h5.")[0].lstrip(".") for n in listdir(parts_dir) if ".h5.damaged-" in n]
 
 
 def scratch_dir(args):
@@ -201,6 +221,7 @@ def run_local(args, log, path, spec, result, t0):
     lock = FleetLock(parts_dir)
     scratch = scratch_dir(args)
     stats = {"tasks": 0, "duplicates": 0, "rows_written": 0, "damaged_parts": 0}
+    outs, work_s, finish_s = [], 0.0, 0.0
     try:
         runner = None
         for _ in range(FINISH_ROUNDS):
@@ -209,14 +230,19 @@ def run_local(args, log, path, spec, result, t0):
                 runner = TaskRunner(args, spec.fingerprint, parts_dir, scratch, threads=args.teacher_threads)
             bar = tqdm(total=sum(t[2].size for t in tasks), unit="row", desc="teacher (parts)",
                        disable=args.quiet, dynamic_ncols=True)
+            w0 = time.perf_counter()
             for a, b, keys in tasks:
                 out = runner.run(a, b, keys)
+                outs.append(out)
                 stats["tasks"] += 1
                 stats["duplicates"] += out["outcome"] == "duplicate"
                 stats["rows_written"] += out["rows"] if out["outcome"] == "published" else 0
                 bar.update(out["rows"])
             bar.close()
+            f0 = time.perf_counter()
+            work_s += f0 - w0
             complete, report = finish(path, spec, parts_dir)
+            finish_s += time.perf_counter() - f0
             stats["damaged_parts"] += len(report["damaged"])
             if complete or not report["damaged"]:
                 break
@@ -227,5 +253,7 @@ def run_local(args, log, path, spec, result, t0):
     result.update(stats, complete=bool(complete), engine="local", shard=str(args.shard),
                   teacher_forwards=runner.teacher.forwards if runner else 0, reused=runner is None,
                   rows_per_s=round(stats["rows_written"] / seconds, 1) if seconds else 0.0,
+                  work_rows_per_s=round(stats["rows_written"] / work_s, 1) if work_s else 0.0,
+                  work_s=round(work_s, 3), finish_s=round(finish_s, 3), task_costs=task_costs(outs),
                   seconds=round(seconds, 3), cache_path=path + (".h5" if complete else ".parts"))
     return result

@@ -13,9 +13,10 @@ import os
 import time
 
 from kdcache.cache_builder.errors import ProducerError
-from kdcache.cache_builder.fleet import FINISH_ROUNDS, FleetLock, TaskRunner, finish, owed, plan, prepare
+from kdcache.cache_builder.fleet import FINISH_ROUNDS, FleetLock, TaskRunner, finish, owed, plan, prepare, task_costs
 
 TASK_RETRIES = 5  # gives of one task to actors that died before the driver gives up on it
+STALL_S = 300.0   # seconds with tasks owed and no actor able to take one before the driver gives up
 EXTRA = "pip install 'kdcache[ray]'"
 
 
@@ -69,6 +70,7 @@ def run_ray(args, log, path, spec, result, t0):
     started = False
     stats = {"tasks": 0, "retries": 0, "duplicates": 0, "rows_written": 0, "damaged_parts": 0}
     nodes, hosts = set(), set()
+    outs, work_s, finish_s, ready_s = [], 0.0, 0.0, 0.0
     actors = []
     complete = False
     try:
@@ -83,15 +85,20 @@ def run_ray(args, log, path, spec, result, t0):
                  cpus, args.block_rows)
         actors = [Actor.remote(args, spec.fingerprint, parts_dir, args.actor_cpus) for _ in range(n)]
         _ready(ray, actors, signals)
+        ready_s = time.perf_counter() - t0
         for _ in range(FINISH_ROUNDS):
             tasks = plan(spec, owed(parts_dir, spec), args.block_rows)
             bar = tqdm(total=sum(t[2].size for t in tasks), unit="row", desc="teacher (ray)",
                        disable=args.quiet, dynamic_ncols=True)
+            w0 = time.perf_counter()
             try:
-                _dispatch(ray, actors, tasks, stats, nodes, hosts, bar, signals, log)
+                _dispatch(ray, actors, tasks, stats, nodes, hosts, bar, signals, log, outs)
             finally:
                 bar.close()
+            f0 = time.perf_counter()
+            work_s += f0 - w0
             complete, report = finish(path, spec, parts_dir)
+            finish_s += time.perf_counter() - f0
             stats["damaged_parts"] += len(report["damaged"])
             if complete or not report["damaged"]:
                 break
@@ -114,7 +121,10 @@ def run_ray(args, log, path, spec, result, t0):
     result.update(stats, engine="ray", complete=bool(complete), actors=len(actors), nodes=len(nodes),
                   hosts=sorted(hosts), teacher_forwards=forwards, reused=False,
                   rows_per_s=round(stats["rows_written"] / seconds, 1) if seconds else 0.0,
-                  seconds=round(seconds, 3), cache_path=path + (".h5" if complete else ".parts"))
+                  work_rows_per_s=round(stats["rows_written"] / work_s, 1) if work_s else 0.0,
+                  start_s=round(ready_s, 3), work_s=round(work_s, 3), finish_s=round(finish_s, 3),
+                  task_costs=task_costs(outs), seconds=round(seconds, 3),
+                  cache_path=path + (".h5" if complete else ".parts"))
     return result
 
 
@@ -143,11 +153,14 @@ def _one_line(e):
     return text.strip().splitlines()[0][:400] if text.strip() else type(e).__name__
 
 
-def _dispatch(ray, actors, tasks, stats, nodes, hosts, bar, signals, log):
-    """Give every task to an actor, one at a time per actor, until all are published."""
+def _dispatch(ray, actors, tasks, stats, nodes, hosts, bar, signals, log, outs):
+    """Give every task to an actor, one at a time per actor, until all are published. An actor whose task
+    was lost (its process or node died) is asked `ready()` first: Ray restarts it (on another node when its
+    node is gone), and it takes tasks again once that answers; meanwhile the others take the queue."""
     queue = collections.deque(tasks)
     tries = collections.Counter()
-    inflight = {}
+    inflight = {}  # ref -> (actor index, task, or None for a readiness probe)
+    idle_since = None
 
     def give(i):
         if queue:
@@ -156,13 +169,30 @@ def _dispatch(ray, actors, tasks, stats, nodes, hosts, bar, signals, log):
 
     for i in range(len(actors)):
         give(i)
-    lost = (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError, ray.exceptions.ObjectLostError,
-            ray.exceptions.NodeDiedError if hasattr(ray.exceptions, "NodeDiedError") else ray.exceptions.RayActorError)
-    while inflight:
+    lost = tuple(getattr(ray.exceptions, n) for n in ("RayActorError", "WorkerCrashedError", "ObjectLostError",
+                                                      "NodeDiedError", "OwnerDiedError") if hasattr(ray.exceptions, n))
+    while queue or any(t is not None for _, t in inflight.values()):
         signals.check()
+        working = any(t is not None for _, t in inflight.values())
+        if working:
+            idle_since = None
+        elif idle_since is None:
+            idle_since = time.monotonic()
+        elif time.monotonic() - idle_since > STALL_S:
+            raise ProducerError(f"no actor could take a task for {STALL_S:.0f} s ({len(queue)} task(s) owed): the "
+                                f"cluster has no free CPUs for an actor of --actor-cpus; every part published so "
+                                f"far is kept; add nodes or run the same command again")
         ready, _ = ray.wait(list(inflight), num_returns=1, timeout=1.0)
         for ref in ready:
             i, task = inflight.pop(ref)
+            if task is None:  # a probe: the actor is back (or died again: probed again)
+                try:
+                    ray.get(ref)
+                except lost:
+                    inflight[actors[i].ready.remote()] = (i, None)
+                    continue
+                give(i)
+                continue
             a, b, keys = task
             try:
                 out = ray.get(ref)
@@ -175,11 +205,14 @@ def _dispatch(ray, actors, tasks, stats, nodes, hosts, bar, signals, log):
                                         f"command again") from None
                 log.warning("task [%d, %d): its actor died (%s); given again", a, b, type(e).__name__)
                 queue.appendleft(task)
-                give(i)
+                inflight[actors[i].ready.remote()] = (i, None)
+                for j in _idle(actors, inflight):  # an actor with nothing to do takes it at once
+                    give(j)
                 continue
             except ray.exceptions.RayTaskError as e:
                 raise ProducerError(f"task [{a}, {b}): {_one_line(e)}") from None
             stats["tasks"] += 1
+            outs.append(out)
             if out["outcome"] == "published":
                 stats["rows_written"] += out["rows"]
             else:
@@ -188,3 +221,8 @@ def _dispatch(ray, actors, tasks, stats, nodes, hosts, bar, signals, log):
             hosts.add(out["host"])
             bar.update(out["rows"])
             give(i)
+
+
+def _idle(actors, inflight):
+    busy = {i for i, _ in inflight.values()}
+    return [i for i in range(len(actors)) if i not in busy]

@@ -14,6 +14,7 @@ producer, reader or `kdcache ls` compacts again.
 """
 import errno
 import fcntl
+import logging
 import os
 
 import h5py
@@ -23,12 +24,15 @@ from h5py import h5d, h5p
 from . import checksums, items as item_records, schema, seal
 from .errors import NoSpaceError, StoreError
 from .osutil import NotOurs, available_memory, fs_error, fsync_dir, is_ours, open_regular
+from .parts import check_parts, list_parts
 from .paths import COMPACT_TMP, base_path, compact_tmp, discard, final_path, parts_path
 from .segment import (committed_rows, count_done, list_segments, open_swmr, quiet_h5py_dealloc_errors,
                       read_segment_items, read_segment_rows)
 
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 _CREATE = os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+
+log = logging.getLogger("kdcache.store")
 
 
 def step(name):
@@ -213,6 +217,11 @@ def finalize(path, spec, *, memory_budget=None):
         remove_stale_tmp(final)
         if count_done(parts, spec) < spec.num_keys:
             return False
+        if list_parts(parts):  # NOTE [parts]: each checked before its rows are compacted; a damaged one set aside
+            for name, why in check_parts(parts, spec)["damaged"]:
+                log.warning("%s", why.splitlines()[0])
+            if count_done(parts, spec) < spec.num_keys:
+                return False
         tmp = compact_tmp(final)
         for p in [tmp] + [os.path.join(parts, f".compact-{name}.tmp") for name, _, _ in codec.fields]:
             if os.path.lexists(p) and not is_ours(p):  # written through, a link would lead anywhere

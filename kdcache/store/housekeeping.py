@@ -20,13 +20,14 @@ from .validate import check_final, read_meta, spec_from_meta
 
 @contextlib.contextmanager
 def locked(parts):
-    """Hold the compaction lock and every shard lock of `parts` (taken without blocking). Yields
+    """Hold the compaction lock and every shard or fleet driver's lock of `parts` (taken without blocking). Yields
     True when all are held, False when a live process holds one (then nothing may be removed)."""
     fds = []
     if not os.path.isdir(parts):
         yield True
         return
-    names = [schema.COMPACT_LOCK] + sorted(n for n in listdir(parts) if n.startswith("shard-") and n.endswith(".lock"))
+    names = [schema.COMPACT_LOCK] + sorted(n for n in listdir(parts) if n.startswith(("shard-", "fleet-"))
+                                            and n.endswith(".lock"))
     try:
         for n in names:
             p = os.path.join(parts, n)

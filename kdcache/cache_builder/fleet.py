@@ -74,6 +74,7 @@ class TaskRunner:
         from kdcache.cache_builder.produce import teacher_rows
         from kdcache.pipeline.decode import Decoder
         from kdcache.store.parts import part_name, publish, write_part
+        from kdcache.store.paths import final_path
         t0 = time.perf_counter()
         spec, bs = self.spec, self.args.batch_size
         keys = np.asarray(keys, dtype=np.int64)
@@ -96,7 +97,12 @@ class TaskRunner:
         try:
             write_part(local, spec, a, b, keys, encoded, np.concatenate(items), self.identity)
             t2 = time.perf_counter()
-            outcome = publish(local, self.parts_dir, spec)
+            try:
+                outcome = publish(local, self.parts_dir, spec)
+            except FileNotFoundError:
+                if not os.path.exists(final_path(self.parts_dir)):
+                    raise
+                outcome = "finished"  # another driver (or shard) finished the cache meanwhile: nothing owed
         finally:
             try:
                 os.unlink(local)
@@ -235,9 +241,11 @@ def run_local(args, log, path, spec, result, t0):
                 out = runner.run(a, b, keys)
                 outs.append(out)
                 stats["tasks"] += 1
-                stats["duplicates"] += out["outcome"] == "duplicate"
+                stats["duplicates"] += out["outcome"] != "published"
                 stats["rows_written"] += out["rows"] if out["outcome"] == "published" else 0
                 bar.update(out["rows"])
+                if out["outcome"] == "finished":
+                    break
             bar.close()
             f0 = time.perf_counter()
             work_s += f0 - w0

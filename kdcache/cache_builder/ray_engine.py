@@ -50,7 +50,8 @@ def start(ray, args, log):
     quiet = dict(log_to_driver=False, logging_level=logging.WARNING, include_dashboard=False)
     if args.address:
         log.info("connecting to the Ray cluster at %s", args.address)
-        ray.init(address=args.address, log_to_driver=False, logging_level=logging.WARNING)
+        local = {"_node_ip_address": "127.0.0.1"} if _loopback(args.address) else {}
+        ray.init(address=args.address, log_to_driver=False, logging_level=logging.WARNING, **local)
         return False
     cpus = args.cores
     log.info("starting a local Ray cluster on 127.0.0.1 with %d CPU(s) for this command", cpus)
@@ -58,9 +59,33 @@ def start(ray, args, log):
     return True
 
 
+def _loopback(address):
+    """True when ADDRESS (HOST:PORT, ray://HOST:PORT, or auto: the cluster `ray start` made here) is on loopback."""
+    import ipaddress
+    if address == "auto":
+        try:
+            with open(os.path.join(os.environ.get("RAY_TMPDIR", "/tmp/ray"), "ray_current_cluster")) as fh:
+                address = fh.read().strip()
+        except OSError:
+            return False
+    host = address.split("://")[-1].rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def run_ray(args, log, path, spec, result, t0):
     from tqdm import tqdm
     from kdcache import signals
+    if args.address and _loopback(args.address):
+        # Ray rewrites a cluster address of 127.0.0.1 to this machine's first non-loopback address (its
+        # node address "from the perspective" of the network) and then waits forever for a cluster that
+        # listens on loopback only. Its one switch for a loopback node address is this variable, read
+        # when ray is imported (ray._private.services.get_node_ip_address).
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     ray = import_ray()
     parts_dir = prepare(path, spec)
     if parts_dir is None:
@@ -217,6 +242,8 @@ def _dispatch(ray, actors, tasks, stats, nodes, hosts, bar, signals, log, outs):
                 stats["rows_written"] += out["rows"]
             else:
                 stats["duplicates"] += 1
+                if out["outcome"] == "finished":  # the cache is finished (another driver): nothing more is owed
+                    queue.clear()
             nodes.add(out["node"])
             hosts.add(out["host"])
             bar.update(out["rows"])

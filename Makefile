@@ -70,7 +70,7 @@ TEACHER_DEP = $(if $(TEACHER),,$(DEFAULT_TEACHER_FILE))
 
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: help options docs setup test test-fast torture bench bench-kd bench-demand bench-store bench-read bench-checksums bench-producer bench-sizing bench-codecs bench-ensemble bench-quality bench-decode bench-recipe bench-recipe-sweep caches verify teacher cache cache-online train train-dist clean
+.PHONY: help options docs setup test test-fast torture bench bench-kd bench-fleet bench-demand bench-store bench-read bench-checksums bench-producer bench-sizing bench-codecs bench-ensemble bench-quality bench-decode bench-recipe bench-recipe-sweep caches verify teacher cache cache-online train train-dist clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s "$$(printf '\t')"
@@ -101,12 +101,13 @@ torture: setup  ## the long fault runs (each test up to an hour, not make test's
 		tests/test_reader_threads.py tests/test_signals.py tests/test_cache_dir_entries.py tests/test_nonfinite.py \
 		tests/test_compact_nospace.py tests/test_checksums.py tests/test_recipe.py tests/test_seal.py tests/test_trust_others.py
 
-bench: setup $(CODEC_TEACHERS)  ## every benchmark side by side: KD scenarios, demand-driven producing, store, reading at scale, producer, ImageNet sizing, codecs, the default recipe's accuracy (QUICK=1: short runs)
+bench: setup $(CODEC_TEACHERS)  ## every benchmark side by side: KD scenarios, demand-driven producing, store, reading at scale, producer, many hosts (Ray), ImageNet sizing, codecs, the default recipe's accuracy (QUICK=1: short runs)
 	$(PY) -m bench.kd $(if $(QUICK),--quick)
 	$(PY) -m bench.demand $(if $(QUICK),--quick)
 	$(PY) -m bench.store $(if $(QUICK),--quick)
 	$(PY) -m bench.read_scale $(if $(QUICK),--quick)
 	$(PY) -m bench.producer $(if $(QUICK),--quick)
+	$(PY) -m bench.fleet $(if $(QUICK),--quick)
 	$(PY) -m bench.sizing $(if $(QUICK),--quick)
 	$(PY) -m bench.codecs $(if $(QUICK),--quick)
 	$(PY) -m bench.train_default $(if $(QUICK),--quick)
@@ -119,6 +120,9 @@ bench-recipe-sweep: setup $(CODEC_TEACHERS)  ## the sweep the default recipe com
 
 bench-kd: setup  ## KD scenarios: student alone, inline, online, warm cache, ring (QUICK=1 for a short run)
 	$(PY) -m bench.kd $(if $(QUICK),--quick)
+
+bench-fleet: setup  ## many hosts: Ray actors filling a cache as immutable parts vs the local producer at equal cores, a task's cost against its size, ImageNet-21k on paper (QUICK=1 for a short run)
+	$(PY) -m bench.fleet $(if $(QUICK),--quick)
 
 bench-demand: setup  ## a user's shuffled DataLoader against a producer still filling the cache: key order, demand-driven (waits, announced order), kdcache's schedule (QUICK=1 for a short run)
 	$(PY) -m bench.demand $(if $(QUICK),--quick)

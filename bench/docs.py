@@ -36,6 +36,7 @@ BENCHMARKS = {
     "bench.store": ("bench.store.run", "store.json"),
     "bench.read_scale": ("bench.read_scale.run", "read_scale.json"),
     "bench.producer": ("bench.producer.run", "producer.json"),
+    "bench.fleet": ("bench.fleet.run", "fleet.json"),
     "bench.codecs": ("bench.codecs.report", "codecs.json"),
     "bench.distill": ("bench.distill.run", "distill.json"),
     "bench.sizing": ("bench.sizing.run", "sizing.json"),

@@ -115,10 +115,13 @@ class TaskRunner:
 
 
 def task_costs(outs):
-    """The median seconds of a task's steps (compute, write in scratch, publish), over the tasks run."""
+    """The median seconds of a task and of its steps (compute, write in scratch, publish) over the tasks run,
+    and `busy_s`, their sum (against the engine's work time: what scheduling and waiting cost)."""
     if not outs:
         return {}
-    return {k: round(float(np.median([o[k] for o in outs])), 4) for k in ("seconds", "compute_s", "write_s", "publish_s")}
+    out = {k: round(float(np.median([o[k] for o in outs])), 4) for k in ("seconds", "compute_s", "write_s", "publish_s")}
+    out["busy_s"] = round(float(sum(o["seconds"] for o in outs)), 3)  # every task's seconds, summed
+    return out
 
 
 def _node():

@@ -226,3 +226,11 @@ def test_without_ray_the_engine_says_which_extra_to_install(teacher, tmp_path):
                                tmp_path / "c"), capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert r.returncode == 2 and "pip install 'kdcache[ray]'" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) <= 4, r.stderr
+
+
+def test_build_cache_takes_the_ray_engine_and_names_the_same_cache(teacher, reference, tmp_path):
+    import kdcache
+    path = kdcache.build_cache(teacher, DATA, cache_dir=str(tmp_path / "c"), engine="ray", actors=2,
+                               block_rows=4 * BLOCK)
+    assert os.path.basename(path) == os.path.basename(reference)  # the same fingerprint as one host's build
+    assert_same_cache(reference, path)

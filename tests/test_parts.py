@@ -197,3 +197,32 @@ def test_verify_names_a_damaged_part_and_compaction_never_takes_one_in(tmp_path)
     r = verify()
     assert r.returncode == 1 and "incomplete: 32 of 64 keys" in r.stdout, r.stdout + r.stderr
     assert not os.path.exists(base + ".h5") and not os.path.exists(victim)
+
+
+def scaling_command(marker):
+    """The command docs/scaling.md shows in the indented block holding `marker`, as one line."""
+    import re
+    text = open(os.path.join(ROOT, "docs", "scaling.md")).read()
+    for block in re.findall(r"\n\n((?:    .*\S.*\n)+)", text):
+        if marker in block:
+            return " ".join(ln.strip().rstrip("\\").strip() for ln in block.splitlines())
+    raise AssertionError(f"docs/scaling.md shows no command with {marker}")
+
+
+def test_the_slurm_array_the_scaling_page_shows_runs_outside_the_clone(tmp_path, teacher):
+    import shlex
+    line = scaling_command("$SLURM_ARRAY_TASK_ID")
+    bin_dir = os.path.dirname(sys.executable)
+    env = {**CHILD_ENV, "PATH": bin_dir + os.pathsep + CHILD_ENV["PATH"]}
+    env.pop("PYTHONPATH", None)  # the installed command, as a user runs it
+    outs = []
+    for i in range(3):  # the array's three tasks, one after another, each with its own local scratch
+        cmd = (line.replace("PREFIX", teacher).replace("NAME", "digits")
+               .replace("/shared/caches", str(tmp_path / "shared")).replace("/local/scratch", str(tmp_path / f"s{i}"))
+               .replace("$SLURM_ARRAY_TASK_ID", str(i)).replace("$SLURM_ARRAY_TASK_COUNT", "3"))
+        r = subprocess.run(shlex.split(cmd) + ["--json", "--quiet", "--block-rows", "512"], capture_output=True,
+                           text=True, env=env, cwd=tmp_path, timeout=300)
+        assert r.returncode == 0, r.stderr
+        outs.append(json.loads(r.stdout.strip().splitlines()[-1]))
+    assert [o["complete"] for o in outs] == [False, False, True]
+    assert os.path.exists(outs[-1]["cache_path"])

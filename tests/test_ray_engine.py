@@ -234,3 +234,21 @@ def test_build_cache_takes_the_ray_engine_and_names_the_same_cache(teacher, refe
                                block_rows=4 * BLOCK)
     assert os.path.basename(path) == os.path.basename(reference)  # the same fingerprint as one host's build
     assert_same_cache(reference, path)
+
+
+def test_the_command_the_scaling_page_shows_runs_outside_the_clone(teacher, reference, tmp_path):
+    import re
+    import shlex
+    from tests.test_parts import scaling_command
+    line = scaling_command("--engine ray")
+    line = re.sub(r"\s*\[[^\]]*\]", "", line)  # the optional parts left out: their defaults
+    bin_dir = os.path.dirname(sys.executable)
+    env = {**ENV, "PATH": bin_dir + os.pathsep + ENV["PATH"]}
+    env.pop("PYTHONPATH", None)
+    cmd = shlex.split(line.replace("PREFIX", teacher).replace("NAME", DATA)) + [
+        "--cache-dir", str(tmp_path / "c"), "--json", "--quiet"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["complete"] and out["engine"] == "ray"
+    assert_same_cache(reference, out["cache_path"])  # the default tasks, 4,096 rows, are whole batches too

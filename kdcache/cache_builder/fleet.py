@@ -99,7 +99,7 @@ class TaskRunner:
             t2 = time.perf_counter()
             try:
                 outcome = publish(local, self.parts_dir, spec)
-            except FileNotFoundError:
+            except FileNotFoundError:  # the parts folder went while the copy was written
                 if not os.path.exists(final_path(self.parts_dir)):
                     raise
                 outcome = "finished"  # another driver (or shard) finished the cache meanwhile: nothing owed

@@ -191,7 +191,8 @@ def same_rows(x, y):
 
 def publish(local, parts_dir, spec):
     """Publish the part at `local` (written and fsynced in scratch) into `parts_dir` under its fixed
-    name, never replacing: returns "published", or "duplicate" when an equal part was there first.
+    name, never replacing: returns "published", "duplicate" when an equal part was there first, or "finished"
+    when the cache was compacted (its parts folder removed) meanwhile.
     A different part there first is PartConflictError (the published one is kept)."""
     name = os.path.basename(local)
     if parse_name(name) is None:
@@ -225,7 +226,11 @@ def publish(local, parts_dir, spec):
     try:
         _, theirs = read_part(dest, spec)
     except DamagedFileError:
-        raise  # a damaged published part: finish sets it aside; this task's copy is not lost work to keep
+        if os.path.lexists(dest):
+            raise  # a damaged published part: finish sets it aside and its keys are computed again
+        if os.path.lexists(parts_dir):  # set aside (damaged) since the link failed: this copy takes its place
+            return publish(local, parts_dir, spec)
+        return "finished"  # compacted since the link failed: the cache holds these rows already
     if not same_rows(mine, theirs):
         ident = _identity(dest)
         raise PartConflictError(

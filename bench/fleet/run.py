@@ -247,7 +247,7 @@ def render(report):
     t3 = md_table(["codec", "hosts (64 cores)", "parts (4,096 rows)", "bytes", "teacher hours", "finish (compaction) hours",
                    "part index", "a reader reads the parts", "a lost host recomputes"],
                   [[x["codec"], x["hosts"], f"{x['parts']:,}", _bytes(x["bytes"]), f"{x['produce_h']:.2f}",
-                    f"{x['finish_h']:.2f}", _bytes(x["index_bytes"]), f"{x['reader_open_s']:.1f} s",
+                    f"{x['finish_h']:.2f}", _bytes(x["index_bytes"]), _duration(x["reader_open_s"]),
                     f"{x['lost_host_rows']:,} rows, {x['lost_host_min']:.1f} min"] for x in i21["table"]], pad=False)
     return [(f"Ray actors against the local producer, {report['dataset']}, tasks of {report['block_rows']:,} rows, "
              f"{report['rounds']} interleaved round(s); rows/s of the work loop (start-up apart), medians:", t1),
@@ -262,6 +262,10 @@ def render(report):
              f"a reader following the build reads every published part at the rate measured above "
              f"({_bytes(i21['open_bytes_per_s'])}/s); a lost host's in-flight tasks (one per core) "
              f"recomputed:", t3)]
+
+
+def _duration(seconds):
+    return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.1f} s"
 
 
 def _bytes(n):

@@ -217,13 +217,16 @@ def test_an_unsealed_file_is_read_in_a_child_first_and_a_hang_there_is_one_line(
 
 
 def test_only_the_seal_check_opens_a_finished_file_with_hdf5():
-    """Every h5py.File in kdcache is in segment.py (segments and open_final) or compact.py (writing): a
-    new tool that opened a finished file another way would skip the seal."""
-    hits = []
+    """Every h5py.File that opens an existing file is in segment.py (segments, parts and open_final); the
+    others create a new file ("w": compaction, a new segment, a new part): a new tool that opened a finished
+    file another way would skip the seal."""
+    hits, creating = [], []
     for d, _, files in os.walk(os.path.join(ROOT, "kdcache")):
         for n in files:
             if n.endswith(".py"):
                 text = open(os.path.join(d, n)).read()
-                for m in re.finditer(r"h5py\.File\(", text):
-                    hits.append(os.path.relpath(os.path.join(d, n), ROOT))
-    assert set(hits) <= {"kdcache/store/segment.py", "kdcache/store/compact.py"}, hits
+                for m in re.finditer(r"h5py\.File\(([^,)]*)(?:,\s*([^,)]*))?", text):
+                    where = os.path.relpath(os.path.join(d, n), ROOT)
+                    (creating if (m.group(2) or "").strip() == '"w"' else hits).append(where)
+    assert hits and set(hits) <= {"kdcache/store/segment.py"}, hits
+    assert set(creating) <= {"kdcache/store/segment.py", "kdcache/store/compact.py", "kdcache/store/parts.py"}, creating

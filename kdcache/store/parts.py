@@ -242,8 +242,9 @@ def publish(local, parts_dir, spec):
 
 
 def _identity(path):
+    from .segment import open_swmr
     try:
-        with h5py.File(path, "r") as f:
+        with open_swmr(path, retry_s=0) as f:
             v = f.attrs.get(A_HOST)
             return json.loads(v if isinstance(v, str) else v.decode())
     except Exception:  # a part that cannot say who wrote it: named without a host

@@ -25,23 +25,39 @@ BLOCK = 512
 pytestmark = pytest.mark.slow
 
 
+class ClusterProcess:
+    """tests/ray_cluster.py's two-node cluster, in a process of its own (Ray's threads stay out of this one)."""
+
+    def __init__(self):
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.ray_cluster"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
+        self.address = self._reply()["address"]
+
+    def _reply(self):
+        line = self.proc.stdout.readline()
+        assert line, "the Ray cluster's process ended"
+        return json.loads(line)
+
+    def command(self, cmd):
+        self.proc.stdin.write(cmd + "\n")
+        self.proc.stdin.flush()
+        return self._reply()
+
+    def close(self):
+        try:
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.close()
+            self.proc.wait(timeout=120)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+
+
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster():
     """Two nodes on 127.0.0.1, one CPU each, token authentication on (Ray's default for local clusters)."""
-    from ray.cluster_utils import Cluster
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "node_ip_address": "127.0.0.1",
-                                                      "include_dashboard": False})
-    c.add_node(num_cpus=1, node_ip_address="127.0.0.1")
-    c.wait_for_nodes()
+    c = ClusterProcess()
     yield c
-    c.shutdown()
-
-
-def ensure_two_nodes(c):
-    alive = [n for n in c.list_all_nodes()]
-    if len(alive) < 2:
-        c.add_node(num_cpus=1, node_ip_address="127.0.0.1")
-        c.wait_for_nodes()
+    c.close()
 
 
 @pytest.fixture(scope="module")
@@ -195,16 +211,15 @@ def test_two_drivers_on_one_cache_both_finish_it_and_every_key_is_there_once(clu
 
 def test_a_node_removed_mid_run_loses_nothing(cluster, teacher, reference, tmp_path):
     shared = tmp_path / "shared"
-    worker = [n for n in cluster.list_all_nodes() if n is not cluster.head_node][0]
     p = start(*ray_args(cluster, teacher, shared))
     wait_for(lambda: len(parts_of(shared)) >= 2, "two published parts")
-    cluster.remove_node(worker)
+    assert cluster.command("remove") == {"nodes": 1}
     try:
         out, err = finish(p)
         assert out["complete"] and out["retries"] >= 1, err[-2000:]
         assert_same_cache(reference, out["cache_path"])
     finally:
-        ensure_two_nodes(cluster)
+        assert cluster.command("add") == {"nodes": 2}
 
 
 def test_without_an_address_the_command_starts_a_local_cluster_and_stops_it(teacher, reference, tmp_path):

@@ -253,3 +253,18 @@ def is_loopback(host):
     except ValueError:
         return False  # '*' (every address), or a name
     return ip.is_loopback or bool(getattr(ip, "ipv4_mapped", None) and ip.ipv4_mapped.is_loopback)
+
+
+def cache_rows(path):
+    """Every dataset of a finished cache file but its checksum table, read whole (h5py, as a user reads it)."""
+    import h5py
+    with h5py.File(path, "r") as f:
+        return {k: f[k][...] for k in f.keys() if k != "checksums"}
+
+
+def assert_same_cache(a, b):
+    """Two finished caches hold the same datasets, bit for bit."""
+    x, y = cache_rows(a), cache_rows(b)
+    assert sorted(x) == sorted(y)
+    for k in x:
+        assert np.array_equal(x[k], y[k]), k

@@ -3,7 +3,6 @@ as one host's build; `kdcache cache --scratch` with `--shard i/n` as a loop of c
 import glob
 import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -15,7 +14,7 @@ from kdcache.store import CacheReader
 from kdcache.store.errors import DamagedFileError
 from kdcache.store.parts import PartConflictError, check_parts, part_name, publish, read_part, write_part
 from tests.conftest import ROOT
-from tests.helpers import CHILD_ENV, make_spec
+from tests.helpers import CHILD_ENV, assert_same_cache, make_spec
 
 
 def encoded(spec, keys, seed=0):
@@ -94,18 +93,6 @@ def cli(*args, check=True, timeout=300):
     return r
 
 
-def rows(path):
-    with h5py.File(path, "r") as f:
-        return {k: f[k][...] for k in f.keys() if k != "checksums"}
-
-
-def same_cache(a, b):
-    x, y = rows(a), rows(b)
-    assert sorted(x) == sorted(y)
-    for k in x:
-        assert np.array_equal(x[k], y[k]), k
-
-
 def test_shards_by_hand_write_parts_and_the_cache_equals_one_hosts_build(tmp_path, teacher):
     common = ["--teacher", teacher, "--dataset", "digits", "--threads", "1"]
     one = cli(*common, "--cache-dir", tmp_path / "one")
@@ -121,7 +108,7 @@ def test_shards_by_hand_write_parts_and_the_cache_equals_one_hosts_build(tmp_pat
     n = one["rows_written"]  # digits' training split: 1,438 keys, 6 tasks of 256 keys
     assert sum(o["rows_written"] for o in outs) == n and sum(o["tasks"] for o in outs) == -(-n // 256)
     assert outs[-1]["cache_path"].endswith(".h5") and not glob.glob(str(shared / "*.parts"))
-    same_cache(one["cache_path"], outs[-1]["cache_path"])
+    assert_same_cache(one["cache_path"], outs[-1]["cache_path"])
     for i in range(3):
         assert not os.listdir(tmp_path / f"scratch{i}")  # every part left scratch once published
     again = cli(*common, "--cache-dir", shared, "--shard", "0/3", "--scratch", tmp_path / "scratch0")
@@ -144,7 +131,7 @@ def test_a_damaged_part_is_caught_at_finish_and_computed_again(tmp_path, teacher
     assert not out["complete"] and out["damaged_parts"] == 1
     last = cli(*common, "--shard", "0/2", "--scratch", tmp_path / "s0")
     assert last["complete"] and last["rows_written"] == 512  # only the damaged part's keys, once more
-    same_cache(one["cache_path"], last["cache_path"])
+    assert_same_cache(one["cache_path"], last["cache_path"])
 
 
 def test_a_reader_follows_parts_as_they_are_published(tmp_path):

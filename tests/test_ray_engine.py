@@ -10,12 +10,10 @@ import subprocess
 import sys
 import time
 
-import h5py
-import numpy as np
 import pytest
 
 from tests.conftest import ROOT
-from tests.helpers import CHILD_ENV, is_loopback, listening
+from tests.helpers import CHILD_ENV, assert_same_cache, is_loopback, listening
 
 # 30,000 keys in 59 tasks of 512 (a multiple of the batch of 128: bit for bit one host's batches): a few seconds
 # of work for two one-CPU actors, long enough to kill something mid-run
@@ -91,18 +89,6 @@ def start(*args):
 def ray_args(c, teacher, cache_dir, *more):
     return ("--engine", "ray", "--address", c.address, "--teacher", teacher, "--dataset", DATA,
             "--block-rows", BLOCK, "--cache-dir", cache_dir, *more)
-
-
-def rows(path):
-    with h5py.File(path, "r") as f:
-        return {k: f[k][...] for k in f.keys() if k != "checksums"}
-
-
-def assert_same_cache(a, b):
-    x, y = rows(a), rows(b)
-    assert sorted(x) == sorted(y)
-    for k in x:
-        assert np.array_equal(x[k], y[k]), k
 
 
 def parts_of(cache_dir):

@@ -193,14 +193,11 @@ def finish(path, spec, parts_dir):
     one aside (its keys are owed again, NOTE [parts]). Returns (complete, {"damaged": [names set aside]})."""
     from kdcache.store.compact import finalize
     from kdcache.store.paths import final_path
-    from kdcache.store.segment import count_done
     if os.path.exists(final_path(path)):
         return True, {"damaged": []}
     try:
         before = set(_set_aside(parts_dir))
-        if count_done(parts_dir, spec) < spec.num_keys:
-            return False, {"damaged": []}
-        complete = finalize(path, spec)
+        complete = finalize(path, spec)  # counts the committed keys first: a cache not yet covered is left as it is
     except FileNotFoundError:  # another driver compacted it meanwhile
         return os.path.exists(final_path(path)), {"damaged": []}
     damaged = [] if complete else sorted(set(_set_aside(parts_dir)) - before)
@@ -214,6 +211,58 @@ def _set_aside(parts_dir):
     return [n.split(".h5.")[0].lstrip(".") for n in listdir(parts_dir) if ".h5.damaged-" in n]
 
 
+class Tally:
+    """What an engine's tasks did: counts, every task's result, the work and finish seconds."""
+
+    def __init__(self):
+        self.tasks = self.retries = self.duplicates = self.rows_written = self.damaged_parts = 0
+        self.outs, self.nodes, self.hosts = [], set(), set()
+        self.work_s = self.finish_s = 0.0
+
+    def add(self, out):
+        """One task's result (TaskRunner.run); True when the cache was found finished (nothing more owed)."""
+        self.tasks += 1
+        self.outs.append(out)
+        if out["outcome"] == "published":
+            self.rows_written += out["rows"]
+        else:
+            self.duplicates += 1
+        self.nodes.add(out["node"])
+        self.hosts.add(out["host"])
+        return out["outcome"] == "finished"
+
+    def figures(self, seconds, *counts):
+        """The result's figures: `counts` (names of the counters) and the rates and times."""
+        return {**{k: getattr(self, k) for k in counts},
+                "rows_per_s": round(self.rows_written / seconds, 1) if seconds else 0.0,
+                "work_rows_per_s": round(self.rows_written / self.work_s, 1) if self.work_s else 0.0,
+                "work_s": round(self.work_s, 3), "finish_s": round(self.finish_s, 3),
+                "task_costs": task_costs(self.outs), "seconds": round(seconds, 3)}
+
+
+def fill_rounds(path, spec, parts_dir, tally, run, *, block_rows, shard=(0, 1), desc, quiet):
+    """Plan the owed tasks, `run(tasks, tally, bar)` them, finish; again while a damaged part was set aside
+    (FINISH_ROUNDS at most). Returns whether the cache is complete."""
+    from tqdm import tqdm
+    complete = False
+    for _ in range(FINISH_ROUNDS):
+        tasks = plan(spec, owed(parts_dir, spec), block_rows, shard)
+        bar = tqdm(total=sum(t[2].size for t in tasks), unit="row", desc=desc, disable=quiet, dynamic_ncols=True)
+        w0 = time.perf_counter()
+        try:
+            run(tasks, tally, bar)
+        finally:
+            bar.close()
+        f0 = time.perf_counter()
+        tally.work_s += f0 - w0
+        complete, report = finish(path, spec, parts_dir)
+        tally.finish_s += time.perf_counter() - f0
+        tally.damaged_parts += len(report["damaged"])
+        if complete or not report["damaged"]:
+            break
+    return complete
+
+
 def scratch_dir(args):
     """Where this host writes a part before publishing it: --scratch, else a folder in the temp dir."""
     base = args.scratch or os.path.join(tempfile.gettempdir(), "kdcache-scratch")
@@ -222,49 +271,32 @@ def scratch_dir(args):
 
 def run_local(args, log, path, spec, result, t0):
     """--scratch (with --shard i/n): this process runs its tasks, publishing each as a part."""
-    from tqdm import tqdm
     parts_dir = prepare(path, spec)
     if parts_dir is None:
         result.update(reused=True, complete=True, cache_path=path + ".h5")
         return result
     lock = FleetLock(parts_dir)
     scratch = scratch_dir(args)
-    stats = {"tasks": 0, "duplicates": 0, "rows_written": 0, "damaged_parts": 0}
-    outs, work_s, finish_s = [], 0.0, 0.0
-    try:
-        runner = None
-        for _ in range(FINISH_ROUNDS):
-            tasks = plan(spec, owed(parts_dir, spec), args.block_rows, tuple(args.shard))
-            if tasks and runner is None:
-                runner = TaskRunner(args, spec.fingerprint, parts_dir, scratch, threads=args.teacher_threads)
-            bar = tqdm(total=sum(t[2].size for t in tasks), unit="row", desc="teacher (parts)",
-                       disable=args.quiet, dynamic_ncols=True)
-            w0 = time.perf_counter()
-            for a, b, keys in tasks:
-                out = runner.run(a, b, keys)
-                outs.append(out)
-                stats["tasks"] += 1
-                stats["duplicates"] += out["outcome"] != "published"
-                stats["rows_written"] += out["rows"] if out["outcome"] == "published" else 0
-                bar.update(out["rows"])
-                if out["outcome"] == "finished":
-                    break
-            bar.close()
-            f0 = time.perf_counter()
-            work_s += f0 - w0
-            complete, report = finish(path, spec, parts_dir)
-            finish_s += time.perf_counter() - f0
-            stats["damaged_parts"] += len(report["damaged"])
-            if complete or not report["damaged"]:
+    tally = Tally()
+    runner = None
+
+    def run(tasks, tally, bar):
+        nonlocal runner
+        if tasks and runner is None:
+            runner = TaskRunner(args, spec.fingerprint, parts_dir, scratch, threads=args.teacher_threads)
+        for a, b, keys in tasks:
+            out = runner.run(a, b, keys)
+            bar.update(out["rows"])
+            if tally.add(out):
                 break
+    try:
+        complete = fill_rounds(path, spec, parts_dir, tally, run, block_rows=args.block_rows,
+                               shard=tuple(args.shard), desc="teacher (parts)", quiet=args.quiet)
     finally:
         lock.release()
         shutil.rmtree(scratch, ignore_errors=True)
-    seconds = time.perf_counter() - t0
-    result.update(stats, complete=bool(complete), engine="local", shard=str(args.shard),
+    result.update(tally.figures(time.perf_counter() - t0, "tasks", "duplicates", "rows_written", "damaged_parts"),
+                  complete=bool(complete), engine="local", shard=str(args.shard),
                   teacher_forwards=runner.teacher.forwards if runner else 0, reused=runner is None,
-                  rows_per_s=round(stats["rows_written"] / seconds, 1) if seconds else 0.0,
-                  work_rows_per_s=round(stats["rows_written"] / work_s, 1) if work_s else 0.0,
-                  work_s=round(work_s, 3), finish_s=round(finish_s, 3), task_costs=task_costs(outs),
-                  seconds=round(seconds, 3), cache_path=path + (".h5" if complete else ".parts"))
+                  cache_path=path + (".h5" if complete else ".parts"))
     return result

@@ -13,7 +13,7 @@ import os
 import time
 
 from kdcache.cache_builder.errors import ProducerError
-from kdcache.cache_builder.fleet import FINISH_ROUNDS, FleetLock, TaskRunner, finish, owed, plan, prepare, task_costs
+from kdcache.cache_builder.fleet import FleetLock, Tally, TaskRunner, fill_rounds, prepare
 
 TASK_RETRIES = 5  # gives of one task to actors that died before the driver gives up on it
 STALL_S = 300.0   # seconds with tasks owed and no actor able to take one before the driver gives up
@@ -78,7 +78,6 @@ def _loopback(address):
 
 
 def run_ray(args, log, path, spec, result, t0):
-    from tqdm import tqdm
     from kdcache import signals
     if args.address and _loopback(args.address):
         # Ray rewrites a cluster address of 127.0.0.1 to this machine's first non-loopback address (its
@@ -93,9 +92,8 @@ def run_ray(args, log, path, spec, result, t0):
         return result
     lock = FleetLock(parts_dir)
     started = False
-    stats = {"tasks": 0, "retries": 0, "duplicates": 0, "rows_written": 0, "damaged_parts": 0}
-    nodes, hosts = set(), set()
-    outs, work_s, finish_s, ready_s = [], 0.0, 0.0, 0.0
+    tally = Tally()
+    ready_s = 0.0
     actors = []
     complete = False
     try:
@@ -111,22 +109,9 @@ def run_ray(args, log, path, spec, result, t0):
         actors = [Actor.remote(args, spec.fingerprint, parts_dir, args.actor_cpus) for _ in range(n)]
         _ready(ray, actors, signals)
         ready_s = time.perf_counter() - t0
-        for _ in range(FINISH_ROUNDS):
-            tasks = plan(spec, owed(parts_dir, spec), args.block_rows)
-            bar = tqdm(total=sum(t[2].size for t in tasks), unit="row", desc="teacher (ray)",
-                       disable=args.quiet, dynamic_ncols=True)
-            w0 = time.perf_counter()
-            try:
-                _dispatch(ray, actors, tasks, stats, nodes, hosts, bar, signals, log, outs)
-            finally:
-                bar.close()
-            f0 = time.perf_counter()
-            work_s += f0 - w0
-            complete, report = finish(path, spec, parts_dir)
-            finish_s += time.perf_counter() - f0
-            stats["damaged_parts"] += len(report["damaged"])
-            if complete or not report["damaged"]:
-                break
+        complete = fill_rounds(path, spec, parts_dir, tally,
+                               lambda tasks, tally, bar: _dispatch(ray, actors, tasks, tally, bar, signals, log),
+                               block_rows=args.block_rows, desc="teacher (ray)", quiet=args.quiet)
         forwards = 0
         for a in actors:
             try:
@@ -142,13 +127,10 @@ def run_ray(args, log, path, spec, result, t0):
                 pass
         if started:
             ray.shutdown()
-    seconds = time.perf_counter() - t0
-    result.update(stats, engine="ray", complete=bool(complete), actors=len(actors), nodes=len(nodes),
-                  hosts=sorted(hosts), teacher_forwards=forwards, reused=False,
-                  rows_per_s=round(stats["rows_written"] / seconds, 1) if seconds else 0.0,
-                  work_rows_per_s=round(stats["rows_written"] / work_s, 1) if work_s else 0.0,
-                  start_s=round(ready_s, 3), work_s=round(work_s, 3), finish_s=round(finish_s, 3),
-                  task_costs=task_costs(outs), seconds=round(seconds, 3),
+    result.update(tally.figures(time.perf_counter() - t0, "tasks", "retries", "duplicates", "rows_written",
+                                "damaged_parts"),
+                  engine="ray", complete=bool(complete), actors=len(actors), nodes=len(tally.nodes),
+                  hosts=sorted(tally.hosts), teacher_forwards=forwards, reused=False, start_s=round(ready_s, 3),
                   cache_path=path + (".h5" if complete else ".parts"))
     return result
 
@@ -178,7 +160,7 @@ def _one_line(e):
     return text.strip().splitlines()[0][:400] if text.strip() else type(e).__name__
 
 
-def _dispatch(ray, actors, tasks, stats, nodes, hosts, bar, signals, log, outs):
+def _dispatch(ray, actors, tasks, tally, bar, signals, log):
     """Give every task to an actor, one at a time per actor, until all are published. An actor whose task
     was lost (its process or node died) is asked `ready()` first: Ray restarts it (on another node when its
     node is gone), and it takes tasks again once that answers; meanwhile the others take the queue."""
@@ -223,7 +205,7 @@ def _dispatch(ray, actors, tasks, stats, nodes, hosts, bar, signals, log, outs):
                 out = ray.get(ref)
             except lost as e:
                 tries[a] += 1
-                stats["retries"] += 1
+                tally.retries += 1
                 if tries[a] > TASK_RETRIES:
                     raise ProducerError(f"task [{a}, {b}) was lost {tries[a]} times (its actor died each time: "
                                         f"{_one_line(e)}): every part published so far is kept; run the same "
@@ -236,17 +218,9 @@ def _dispatch(ray, actors, tasks, stats, nodes, hosts, bar, signals, log, outs):
                 continue
             except ray.exceptions.RayTaskError as e:
                 raise ProducerError(f"task [{a}, {b}): {_one_line(e)}") from None
-            stats["tasks"] += 1
-            outs.append(out)
-            if out["outcome"] == "published":
-                stats["rows_written"] += out["rows"]
-            else:
-                stats["duplicates"] += 1
-                if out["outcome"] == "finished":  # the cache is finished (another driver): nothing more is owed
-                    queue.clear()
-            nodes.add(out["node"])
-            hosts.add(out["host"])
             bar.update(out["rows"])
+            if tally.add(out):  # the cache is finished (another driver): nothing more is owed
+                queue.clear()
             give(i)
 
 

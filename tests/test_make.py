@@ -52,7 +52,8 @@ def project(tmp_path):
     (d / ".venv" / "bin").mkdir(parents=True)
     (d / "teachers").mkdir()
     shutil.copy(os.path.join(ROOT, "Makefile"), d / "Makefile")
-    shutil.copy(os.path.join(ROOT, "pyproject.toml"), d / "pyproject.toml")
+    for name in ("pyproject.toml", "constraints.txt"):
+        shutil.copy(os.path.join(ROOT, name), d / name)
     log = str(tmp_path / "argv.jsonl")
     for tool in ("kdcache", "python"):
         p = d / ".venv" / "bin" / tool
@@ -61,7 +62,8 @@ def project(tmp_path):
     for name in ("digits", "mnist5k"):
         (d / "teachers" / f"{name}-symbol.json").write_text("{}")
     (d / ".venv" / ".installed").touch()
-    os.utime(d / "pyproject.toml", (1, 1))  # older than the stamp: setup has nothing to do
+    for name in ("pyproject.toml", "constraints.txt"):
+        os.utime(d / name, (1, 1))  # older than the stamp: setup has nothing to do
     return d, log
 
 

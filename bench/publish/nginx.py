@@ -2,12 +2,14 @@
 folders under one folder, on a free loopback port, started as a normal child process (never the system's)."""
 import os
 import pwd
+import re
 import shutil
 import socket
 import subprocess
 import time
 
 NGINX = "nginx"
+LOGGED = re.compile(r'"(\S+) (\S+) [^"]*" (\d{3}) (\d+)')  # the combined log format: "GET /p HTTP/1.1" 206 1234
 CONFIG = """\
 daemon off;
 worker_processes 1;
@@ -97,20 +99,23 @@ class Nginx:
                 self.proc.wait()
         self.proc = None
 
-    def bytes_sent(self):
-        """Body bytes nginx sent, summed over its access log ($body_bytes_sent is the combined format's 10th field)."""
-        total = 0
+    def requests(self):
+        """[(method, path, status, body bytes sent)] of every request logged so far (nginx logs a request when it
+        ends, also one whose client died)."""
+        out = []
         try:
             with open(os.path.join(self.work, "access.log")) as fh:
                 for line in fh:
-                    parts = line.split('"')
-                    if len(parts) > 2:
-                        fields = parts[2].split()
-                        if len(fields) >= 2 and fields[1].isdigit():
-                            total += int(fields[1])
+                    m = LOGGED.search(line)
+                    if m:
+                        out.append((m.group(1), m.group(2), int(m.group(3)), int(m.group(4))))
         except FileNotFoundError:
             pass
-        return total
+        return out
+
+    def bytes_sent(self, suffix=""):
+        """Body bytes nginx sent for the paths ending with `suffix`."""
+        return sum(n for _, path, _, n in self.requests() if path.endswith(suffix))
 
     def __enter__(self):
         return self.start()

@@ -5,6 +5,7 @@ writes a file under a temporary name before giving it its own. Every failure of 
 becomes one ShareError line naming the address, the cause and the fix.
 """
 import asyncio
+import functools
 import os
 import queue
 import threading
@@ -15,6 +16,7 @@ from .manifest import ShareError
 
 EXTRA = "pip install 'kdcache[share]' numpy==1.23.5"
 CHUNK = 8 << 20        # bytes per read: what an interrupted transfer may fetch twice, at most
+PIECE = 1 << 20        # bytes per piece of an HTTP response handed to the writer
 HTTP = ("http", "https")
 
 
@@ -81,15 +83,17 @@ class Folder:
         with open(self.address(name), "rb") as fh:
             return fh.read(limit + 1)
 
-    def chunks(self, name, offset, size):
-        """The bytes of `name` from `offset` up to `size` (or its end), in blocks."""
+    def blocks(self, name, offset, size):
+        """The bytes of `name` from `offset` on, in blocks read ahead of the caller."""
+        return ahead(self._chunks(name, offset))
+
+    def _chunks(self, name, offset):
         with open(self.address(name), "rb") as fh:
             fh.seek(offset)
             while True:
-                b = fh.read(min(CHUNK, max(size - offset, 0) + 1))
+                b = fh.read(CHUNK)
                 if not b:
                     return
-                offset += len(b)
                 yield b
 
     def exists(self, name):
@@ -174,30 +178,15 @@ class Remote:
         return self._call(name, self.fs.cat_file, self._path(name), start=0, end=limit + 1) if not self.http \
             else self._call(name, self.fs.cat_file, self._path(name))
 
-    def chunks(self, name, offset, size):
-        """The bytes of `name` from `offset` on, in blocks: one HTTP range request streamed, or seeks and reads."""
-        path = self._path(name)
+    def blocks(self, name, offset, size):
+        """The bytes of `name` from `offset` on, in blocks read ahead of the caller: one HTTP range request streamed
+        by fsspec's own HTTP session, or seeks and reads through the back end."""
         if self.http:
-            headers = {"Range": f"bytes={offset}-"} if offset else {}
-            f = self._call(name, self.fs.open, path, "rb", block_size=0, size=size, headers=headers)
-            try:
-                status = getattr(getattr(f, "r", None), "status", None)
-                if offset and status != 206:
-                    raise ShareError(f"{self.address(name)}: the server answered a range request with status "
-                                     f"{status}, not 206: serve the folder with a server that supports range "
-                                     f"requests (nginx, Apache, any object storage) to resume")
-                while True:
-                    b = self._call(name, f.read, CHUNK)
-                    if not b:
-                        return
-                    yield b
-            finally:
-                try:
-                    f.close()
-                except Exception:  # closing a stalled or dropped connection: nothing more to say
-                    pass
-            return
-        f = self._call(name, self.fs.open, path, "rb", block_size=CHUNK)
+            return self._http_blocks(name, offset)
+        return ahead(self._chunks(name, offset))
+
+    def _chunks(self, name, offset):
+        f = self._call(name, self.fs.open, self._path(name), "rb", block_size=CHUNK)
         try:
             if offset:
                 f.seek(offset)
@@ -208,6 +197,56 @@ class Remote:
                 yield b
         finally:
             f.close()
+
+    def _http_blocks(self, name, offset):
+        """One GET (with a Range from `offset`) on fsspec's aiohttp session, in its event loop: the pieces arrive
+        in that thread while the caller hashes and writes the ones before (a file object's read() would hand
+        each piece across threads one call at a time, at half the rate)."""
+        from fsspec.asyn import sync
+        url = self.address(name)
+        session = self._call(name, sync, self.fs.loop, self.fs.set_session)
+        q, stop, end = queue.Queue(maxsize=4), threading.Event(), object()
+
+        async def put(item):
+            loop = asyncio.get_running_loop()
+            while not stop.is_set():
+                try:
+                    await loop.run_in_executor(None, functools.partial(q.put, item, timeout=0.2))
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
+        async def run():
+            try:
+                headers = {"Range": f"bytes={offset}-"} if offset else {}
+                async with session.get(self.fs.encode_url(url), headers=headers) as r:
+                    self.fs._raise_not_found_for_status(r, url)
+                    if offset and r.status != 206:
+                        raise ShareError(f"{url}: the server answered a range request with status {r.status}, not "
+                                         f"206: serve the folder with a server that supports range requests (nginx, "
+                                         f"Apache, any object storage) to resume")
+                    async for piece in r.content.iter_chunked(PIECE):
+                        if not await put(piece):
+                            return
+                await put(end)
+            except BaseException as e:  # handed to the caller, raised there as one line
+                await put(e)
+
+        fut = asyncio.run_coroutine_threadsafe(run(), self.fs.loop)
+        try:
+            while True:
+                item = q.get()
+                if item is end:
+                    return
+                if isinstance(item, BaseException):
+                    if isinstance(item, FileNotFoundError):
+                        raise item
+                    raise failure(item, url, self.timeout)
+                yield item
+        finally:
+            stop.set()
+            fut.cancel()
 
     def exists(self, name):
         return bool(self._call(name, self.fs.exists, self._path(name)))

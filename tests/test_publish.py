@@ -226,3 +226,37 @@ def test_a_build_of_the_same_cache_in_progress_keeps_the_pull_out_until_it_is_go
     assert out["fetched"] == 0  # checked and kept when refused: installed now without fetching it again
     assert sha(out["path"]) == sha(fin)
     assert sorted(os.listdir(dest)) == [os.path.basename(fin)]  # the dead build's segments removed
+
+
+def test_a_pull_staged_halfway_resumes_from_a_server_that_ignores_ranges(origin, tmp_path):
+    """Python's own http.server answers a range request with the whole file (200): the pull skips what it has
+    staged and installs the published file, where nginx would have sent only the rest (test_pull_server.py)."""
+    pytest.importorskip("aiohttp")
+    from kdcache.share.pull import PART, STAGE_PREFIX
+    from bench.publish.nginx import free_port
+    fin, pub, _ = origin
+    name, fp = os.path.basename(fin), os.path.basename(fin)[:-3]
+    stage = tmp_path / "c" / (STAGE_PREFIX + fp)  # what a pull killed halfway leaves
+    stage.mkdir(parents=True)
+    (stage / "manifest.json").write_bytes(open(os.path.join(pub, "manifest.json"), "rb").read())
+    data = open(fin, "rb").read()
+    (stage / (name + PART)).write_bytes(data[:len(data) // 2])
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory",
+                               os.path.dirname(pub)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}/{os.path.basename(pub)}"
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                out = kdcache.pull(url, cache_dir=str(tmp_path / "c"))
+                break
+            except ShareError as e:  # until the server listens
+                if "Cannot connect" not in str(e) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+    finally:
+        server.terminate()
+        server.wait()
+    assert out["installed"] and out["fetched"] == len(data) - len(data) // 2
+    assert sha(out["path"]) == sha(fin) and os.listdir(tmp_path / "c") == [name]

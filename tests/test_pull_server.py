@@ -4,6 +4,7 @@ the published cache installed bit for bit, or with nothing installed and one lin
 
 KDCACHE_TORTURE=1 (make torture) kills the pull 20 times at random moments instead of 3."""
 import json
+import re
 import os
 import random
 import signal
@@ -196,3 +197,41 @@ def test_a_cache_published_from_one_folder_trains_a_student_in_a_fresh_one_with_
     assert m["teacher_forwards"] == 0 and m["producer_started"] is False and "starting producer" not in r.stderr
     assert m["fingerprint"] == first["fingerprint"] and m["teacher_test_acc"] == first["teacher_test_acc"]
     assert sorted(os.listdir(fresh / "caches")) == names  # nothing built: the teacher never ran here
+
+
+def page_blocks():
+    """docs/publish.md's shell blocks: [[command line, ...], ...] (comments after '  #' dropped)."""
+    import re
+    from tests.conftest import ROOT
+    text = open(os.path.join(ROOT, "docs", "publish.md"), encoding="utf-8").read()
+    return [[ln.split("  #")[0].strip() for ln in b.splitlines() if ln.strip()]
+            for b in re.findall(r"```sh\n(.*?)```", text, re.S)]
+
+
+def test_the_publish_page_s_commands_run_outside_the_clone(tmp_path):
+    """Every command docs/publish.md shows, run by a shell in a folder outside the clone with the installed kdcache;
+    its web server is a real nginx serving the folder the page publishes into."""
+    from tests.test_install import clean_env
+    blocks = page_blocks()
+    assert len(blocks) == 2 and len(blocks[0]) == 4 and len(blocks[1]) == 3
+    shell_env = clean_env(os.path.dirname(sys.executable))
+    (tmp_path / "www").mkdir()
+    values, outputs = {}, []
+    with Nginx(tmp_path / "www", tmp_path / "nginx") as server:
+        for line in blocks[0] + blocks[1]:
+            for key, value in values.items():
+                line = line.replace(key, value)
+            line = line.replace("http://127.0.0.1:8080", server.url)
+            r = subprocess.run(["bash", "-c", line], cwd=tmp_path, env=shell_env, capture_output=True, text=True,
+                               timeout=600)
+            assert r.returncode == 0, f"{line}: {r.stderr[-3000:]}"
+            if line.startswith("kdcache cache"):
+                values["<fingerprint>"] = json.loads(r.stdout.strip().splitlines()[-1])["fingerprint"]
+            if line.startswith("kdcache publish") and "<sha256>" not in values:
+                values["<sha256>"] = r.stdout.split("manifest sha256 ")[1].split()[0]
+            outputs.append((line, r.stdout))
+    fp = values["<fingerprint>"]
+    assert sorted(os.listdir(tmp_path / "bucket" / "digits")) == sorted([f"{fp}.h5", "manifest.json", "README.md"])
+    assert sha(tmp_path / "received" / f"{fp}.h5") == sha(tmp_path / "caches" / f"{fp}.h5")
+    assert "nothing fetched" in outputs[-2][1]
+    assert re.search(r"teacher forwards \(training\)\s+0\n", outputs[-1][1]), outputs[-1][1]

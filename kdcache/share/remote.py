@@ -222,11 +222,14 @@ class Remote:
                 headers = {"Range": f"bytes={offset}-"} if offset else {}
                 async with session.get(self.fs.encode_url(url), headers=headers) as r:
                     self.fs._raise_not_found_for_status(r, url)
-                    if offset and r.status != 206:
-                        raise ShareError(f"{url}: the server answered a range request with status {r.status}, not "
-                                         f"206: serve the folder with a server that supports range requests (nginx, "
-                                         f"Apache, any object storage) to resume")
+                    # a server that ignores ranges sends the whole file (200): the bytes staged already are skipped
+                    skip = offset if r.status != 206 else 0
                     async for piece in r.content.iter_chunked(PIECE):
+                        if skip:
+                            drop = min(skip, len(piece))
+                            piece, skip = piece[drop:], skip - drop
+                            if not piece:
+                                continue
                         if not await put(piece):
                             return
                 await put(end)

@@ -69,7 +69,7 @@ def test_a_publication_is_the_file_unchanged_a_manifest_of_its_identity_and_a_ca
     assert m["published"]["command"].startswith("kdcache publish")
     card = open(os.path.join(pub, "README.md")).read()
     for text in (fp, "teacher: publish", "synthetic", "700 samples", "views per sample: 2", f"{os.path.getsize(fin):,} bytes",
-                 f"kdcache pull {pub} --expect-sha256 {out['manifest_sha256']}", "not recorded in the cache"):
+                 f"kdcache pull {pub} --expect-sha256 {out['manifest_sha256']}", "not recorded (the cache does not hold it"):
         assert text in card, text
     assert out["pull"] == f"kdcache pull {pub} --expect-sha256 {out['manifest_sha256']}"
 
@@ -260,3 +260,10 @@ def test_a_pull_staged_halfway_resumes_from_a_server_that_ignores_ranges(origin,
         server.wait()
     assert out["installed"] and out["fetched"] == len(data) - len(data) // 2
     assert sha(out["path"]) == sha(fin) and os.listdir(tmp_path / "c") == [name]
+
+
+def test_publish_takes_the_teachers_accuracy_only_from_the_teacher_the_cache_records(origin, teacher, tmp_path):
+    fin, _, _ = origin  # built from a teacher whose digest is "0" * 16: the fixture's checkpoint is another one
+    r = cli("publish", fin, tmp_path / "pub", "--teacher", teacher)
+    one_line(r, f"--teacher {teacher}: its files are not those of the teacher the cache was built with")
+    assert not os.path.exists(tmp_path / "pub" / "manifest.json")

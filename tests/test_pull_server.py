@@ -234,4 +234,6 @@ def test_the_publish_page_s_commands_run_outside_the_clone(tmp_path):
     assert sorted(os.listdir(tmp_path / "bucket" / "digits")) == sorted([f"{fp}.h5", "manifest.json", "README.md"])
     assert sha(tmp_path / "received" / f"{fp}.h5") == sha(tmp_path / "caches" / f"{fp}.h5")
     assert "nothing fetched" in outputs[-2][1]
+    card = (tmp_path / "www" / "digits" / "README.md").read_text()
+    assert re.search(r"the teacher's test accuracy: \d+\.\d\d% on digits, test split", card), card
     assert re.search(r"teacher forwards \(training\)\s+0\n", outputs[-1][1]), outputs[-1][1]

@@ -59,7 +59,7 @@ def rebuild_command(spec):
     return " ".join(words)
 
 
-def build(spec, meta, files, *, checksums, publisher_version, published, command):
+def build(spec, meta, files, *, checksums, publisher_version, published, command, teacher_accuracy=None):
     """The manifest of the finished cache `spec` (its file's metadata `meta`) published as `files`
     [{"path", "size", "sha256"}]."""
     inputs = spec.inputs if isinstance(spec.inputs, dict) else {}
@@ -71,6 +71,7 @@ def build(spec, meta, files, *, checksums, publisher_version, published, command
             "format_version": int(meta[schema.A_FORMAT]),
             "fingerprint_inputs": spec.fingerprint_inputs(),
             "teacher": inputs.get("teacher"),
+            "teacher_accuracy": teacher_accuracy,
             "dataset": inputs.get("dataset"),
             "num_samples": spec.num_samples,
             "views": spec.views,
@@ -174,7 +175,7 @@ def card(manifest, manifest_sha, *, where=None):
     teacher = c.get("teacher") if isinstance(c.get("teacher"), dict) else {}
     dataset = c.get("dataset") if isinstance(c.get("dataset"), dict) else {}
     f = manifest["files"][0]
-    acc = teacher.get("test_acc")
+    acc = (c.get("teacher_accuracy") or {}).get("test_acc") if isinstance(c.get("teacher_accuracy"), dict) else None
     src = where or "URL"
     row = {"full": f"the teacher's {c['num_classes']} raw logits (temperature 1), {c['dtype']}",
            "int8": f"the teacher's {c['num_classes']} logits as 8-bit codes with the row's minimum and step"}.get(
@@ -192,7 +193,11 @@ def card(manifest, manifest_sha, *, where=None):
         *[f"  - {x}" for x in _identity_lines(teacher)],
         f"- data set: {dataset.get('name', 'unnamed')} ({c['num_samples']:,} samples)",
         *[f"  - {x}" for x in _identity_lines(dataset)],
-        f"- the teacher's test accuracy: {f'{acc:.2%}' if isinstance(acc, (int, float)) else 'not recorded in the cache'}",
+        "- the teacher's test accuracy: " + (f"{acc:.2%} on {c['teacher_accuracy'].get('on')} (from "
+                                             f"{c['teacher_accuracy'].get('from')}, published with it)"
+                                             if isinstance(acc, (int, float)) else
+                                             "not recorded (the cache does not hold it; kdcache publish --teacher "
+                                             "PREFIX adds it from the teacher's PREFIX-info.json)"),
         f"- views per sample: {c['views']}; augmentation: {c['augment']}"
         + (f", seed {c['seed']}" if c.get("seed") is not None else ""),
         f"- each row (sample, view): {row}; codec {c['codec']}, {c['bytes_per_row']} bytes per row",

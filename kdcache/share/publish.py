@@ -62,6 +62,38 @@ def check_finished(base):
     return spec, meta, sums.describe() if sums else NO_CHECKSUMS
 
 
+def teacher_accuracy(teacher, spec):
+    """The teacher's test accuracy as `kdcache teacher` recorded it (PREFIX-info.json), for the card: only when
+    PREFIX's files are the ones the cache's fingerprint records ({"test_acc", "on", "from"})."""
+    from kdcache.pipeline.checkpoint import TeacherError, checkpoint_files, parse_teacher_arg
+    from kdcache.store.fingerprint import file_digest
+    recorded = spec.inputs.get("teacher") if isinstance(spec.inputs.get("teacher"), dict) else {}
+    prefix, epoch = parse_teacher_arg(teacher)
+    try:
+        sym, params, epoch = checkpoint_files(prefix, recorded.get("epoch") if epoch is None else epoch)
+    except TeacherError as e:
+        raise M.ShareError(f"--teacher {teacher}: {e}") from None
+    if (file_digest(sym), file_digest(params)) != (recorded.get("symbol_sha256"), recorded.get("params_sha256")):
+        raise M.ShareError(f"--teacher {teacher}: its files are not those of the teacher the cache was built with "
+                           f"(symbol sha256 {str(recorded.get('symbol_sha256'))[:12]}...): pass that checkpoint, or "
+                           f"leave --teacher out")
+    info = f"{prefix}-info.json"
+    try:
+        with open(info, encoding="utf-8") as fh:
+            rec = json.load(fh)
+        acc = rec["test_acc"]
+        if not isinstance(acc, (int, float)) or isinstance(acc, bool) or not 0 <= acc <= 1:
+            raise ValueError(f"test_acc {acc!r}")
+    except FileNotFoundError:
+        raise M.ShareError(f"--teacher {teacher}: {info} not found (kdcache teacher writes the teacher's test accuracy "
+                           f"there): leave --teacher out to publish without it") from None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise M.ShareError(f"--teacher {teacher}: {info} holds no test accuracy ({type(e).__name__}: {e}): leave "
+                           f"--teacher out to publish without it") from None
+    return {"test_acc": float(acc), "on": f"{rec.get('dataset', 'its data set')}, test split",
+            "from": os.path.basename(info)}
+
+
 def _copy(fd, dest, name, bar):
     """Copy the open file `fd` to `dest`/`name`, hashing the bytes as they are sent; their sha256."""
     h = hashlib.sha256()
@@ -83,10 +115,12 @@ def _copy(fd, dest, name, bar):
     return h.hexdigest(), at
 
 
-def publish(cache, dest, *, cache_dir=None, url=None, progress=False, command=None):
+def publish(cache, dest, *, cache_dir=None, url=None, teacher=None, progress=False, command=None):
     """Write the finished cache `cache` (a path, or a fingerprint in `cache_dir`) to `dest` (a folder, or a URL an
     installed fsspec back end writes: file://, s3://, gs://, ...): its file unchanged, then manifest.json, then
-    README.md. `url`: where `dest` will be served, for the card's pull line. Returns {"fingerprint", "dest",
+    README.md. `url`: where `dest` will be served, for the card's pull line. `teacher`: the teacher's checkpoint
+    prefix, whose PREFIX-info.json (kdcache teacher writes it) gives the card the teacher's test accuracy; its files
+    must be the ones the cache records. Returns {"fingerprint", "dest",
     "manifest_sha256", "files", "pull"}. A cache still being built, damaged or failing verify raises ShareError
     (one line) and nothing is written."""
     from kdcache import __version__
@@ -98,6 +132,7 @@ def publish(cache, dest, *, cache_dir=None, url=None, progress=False, command=No
                            f"finishes it)")
     spec, meta, sums = check_finished(base)
     fp = spec.fingerprint
+    accuracy = teacher_accuracy(teacher, spec) if teacher else None
     out = place(dest)
     out.prepare()
     if out.exists(M.MANIFEST):  # a folder holds one publication: another cache's is never overwritten
@@ -124,7 +159,7 @@ def publish(cache, dest, *, cache_dir=None, url=None, progress=False, command=No
         os.close(fd)
     published = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     man = M.build(spec, meta, [{"path": name, "size": size, "sha256": digest}], checksums=sums,
-                  publisher_version=__version__, published=published,
+                  publisher_version=__version__, published=published, teacher_accuracy=accuracy,
                   command=command or f"kdcache publish {fp} {dest}")
     raw = M.dumps(man)
     sha = M.sha256_hex(raw)
@@ -153,11 +188,14 @@ def main(argv=None, prog="kdcache publish"):
     p.add_argument("--cache-dir", type=Dir(), help="where a fingerprint is looked up (default: $KDCACHE_DIR, "
                                                    "else ./caches)")
     p.add_argument("--url", help="the address DEST will be served at (https://...), for the card's pull line")
+    p.add_argument("--teacher", metavar="PREFIX", help="the teacher's checkpoint (the files the cache records): "
+                                                       "its PREFIX-info.json gives the card its test accuracy")
     p.add_argument("--json", action="store_true", help="end with the result as one JSON line")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     try:
-        out = publish(args.cache, args.dest, cache_dir=args.cache_dir, url=args.url, progress=not args.quiet,
+        out = publish(args.cache, args.dest, cache_dir=args.cache_dir, url=args.url, teacher=args.teacher,
+                      progress=not args.quiet,
                       command=" ".join([prog] + list(sys.argv[2:] if argv is None else argv)))
     except StoreError as e:
         print(f"error: {e}", file=sys.stderr)

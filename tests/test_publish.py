@@ -267,3 +267,22 @@ def test_publish_takes_the_teachers_accuracy_only_from_the_teacher_the_cache_rec
     r = cli("publish", fin, tmp_path / "pub", "--teacher", teacher)
     one_line(r, f"--teacher {teacher}: its files are not those of the teacher the cache was built with")
     assert not os.path.exists(tmp_path / "pub" / "manifest.json")
+
+
+def test_gc_removes_the_staging_folder_of_a_pull_that_stopped_never_of_one_running(origin, tmp_path):
+    from kdcache.share.pull import PART, STAGE_PREFIX, Stage
+    fin, pub, _ = origin
+    name, fp = os.path.basename(fin), os.path.basename(fin)[:-3]
+    cache_dir = tmp_path / "c"
+    stage = cache_dir / (STAGE_PREFIX + fp)
+    stage.mkdir(parents=True)
+    (stage / "manifest.json").write_bytes(open(os.path.join(pub, "manifest.json"), "rb").read())
+    (stage / (name + PART)).write_bytes(open(fin, "rb").read()[:1000])
+    with Stage(str(cache_dir), fp):  # a pull at work holds its folder's lock
+        r = cli("gc", "--cache-dir", cache_dir, "--min-age", "0")
+        assert r.returncode == 0 and stage.exists(), r.stdout + r.stderr
+    r = cli("gc", "--cache-dir", cache_dir, "--min-age", "3600")  # stopped, but touched a moment ago
+    assert r.returncode == 0 and stage.exists(), r.stdout + r.stderr
+    r = cli("gc", "--cache-dir", cache_dir, "--min-age", "0")
+    assert r.returncode == 0 and "left by a pull that stopped" in r.stdout, r.stdout + r.stderr
+    assert os.listdir(cache_dir) == []

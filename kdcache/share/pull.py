@@ -31,7 +31,7 @@ from kdcache.store.segment import lock_holders
 from . import manifest as M
 from .remote import failure, place
 
-STAGE_PREFIX = ".pull-"
+STAGE_PREFIX = ".pull-"  # kdcache.store.paths.PULL_STAGE: gc removes a staging folder no pull holds
 LOCK = "lock"
 PART = ".part"
 

@@ -26,7 +26,7 @@ DEFAULT_OUT = os.path.join("bench", "results", "publish.json")
 IMAGENET = 1_281_167
 CLASSES = 1000
 FLOOR_RATE = 0.9
-ROUNDS, QUICK_ROUNDS = 7, 3
+ROUNDS, QUICK_ROUNDS = 9, 3
 OPTIONS = [
     quick_option("20 MB files and a 50,000-row cache instead of 200 MB and ImageNet-1k's 1,281,167 rows: seconds"),
     out_option(DEFAULT_OUT),

@@ -12,7 +12,7 @@ def test_bench_publish_quick_writes_its_report(tmp_path):
     proc, report = run_bench("publish", tmp_path, "--rows", "2000", "--imagenet-rows", "5000", timeout=300)
     rate = report["rate"]
     assert rate["rounds"] == 3 and all(len(v) == 3 for v in rate["seconds"].values())
-    assert all(positive(v) for v in rate["mb_per_s"].values())
+    assert all(positive(v) for v in rate["mb_per_s"].values()) and set(rate["mb_per_s"]) == {"curl", "curl_fsync", "fetch", "command"}
     assert_paired(report["paired"], {"fetch_vs_curl": 3})
     assert report["verdicts"]["fetch_vs_curl"] == report["paired"]["fetch_vs_curl"]["verdict"]
     res = report["resume"]  # killed once half was staged: the rest came in one range request

@@ -27,7 +27,7 @@ __version__ = "0.2.0"
 _PUBLIC = {
     "build_cache": "kdcache.api", "cache_path": "kdcache.api", "load_dataset": "kdcache.api",
     "BuildError": "kdcache.api",
-    "publish": "kdcache.share", "pull": "kdcache.share", "ShareError": "kdcache.share",
+    "publish": "kdcache.share.publish", "pull": "kdcache.share.pull", "ShareError": "kdcache.share",
     "CacheReader": "kdcache.store", "EnsembleReader": "kdcache.store",
     "SoftTargetDataset": "kdcache.trainer.softdata",
     "KDLoss": "kdcache.trainer.loss",

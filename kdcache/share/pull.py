@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import sys
+import threading
 
 from kdcache.args import Dir, Float, Parser
 from kdcache.store.errors import NewerFormatError, StoreError
@@ -142,6 +143,41 @@ def _write_atomic(path, data):
     fsync_dir(os.path.dirname(path))
 
 
+class Flusher:
+    """Writes a file's pages back to disk in a thread while more arrive, every FLUSH_BYTES: the fsync that makes the
+    file durable before it is checked then waits for the last few only, not for the whole file's writeback."""
+
+    FLUSH_BYTES = 32 << 20
+
+    def __init__(self, fd):
+        self.fd, self.pending = fd, 0
+        self.wake, self.done = threading.Event(), False
+        self.thread = threading.Thread(target=self._run, name="kdcache-flush", daemon=True)
+        self.thread.start()
+
+    def wrote(self, n):
+        self.pending += n
+        if self.pending >= self.FLUSH_BYTES:
+            self.pending = 0
+            self.wake.set()
+
+    def _run(self):
+        while True:
+            self.wake.wait()
+            self.wake.clear()
+            if self.done:
+                return
+            try:
+                os.fdatasync(self.fd)
+            except OSError:
+                return  # the final fsync reports what is wrong
+
+    def stop(self):
+        self.done = True
+        self.wake.set()
+        self.thread.join()
+
+
 def fetch(src, entry, stage, bar, *, again=True):
     """Fetch one file of the manifest into the stage, resuming what is there; its path once its sha256 matches."""
     name, size, want = entry["path"], entry["size"], entry["sha256"]
@@ -160,8 +196,9 @@ def fetch(src, entry, stage, bar, *, again=True):
         h = hashlib.sha256()
         have = _hash_prefix(fd, have, h, bar)
         resumed = have
-        if have < size:
-            for b in src.blocks(name, have, size):
+        flusher = Flusher(fd)
+        try:
+            for b in (src.blocks(name, have, size) if have < size else ()):
                 if have + len(b) > size:
                     raise Refused(f"{where}: the server sends more than the {size:,} bytes the manifest gives the "
                                   f"file: the publication changed or is damaged; ask its publisher")
@@ -173,6 +210,9 @@ def fetch(src, entry, stage, bar, *, again=True):
                 h.update(b)
                 have += len(b)
                 bar.update(len(b))
+                flusher.wrote(len(b))
+        finally:
+            flusher.stop()
         os.fsync(fd)
     finally:
         os.close(fd)

@@ -15,7 +15,7 @@ from kdcache.store.paths import base_path, final_path, parts_path, path_for
 from kdcache.store.segment import open_final
 
 from . import manifest as M
-from .remote import CHUNK, place
+from .remote import CHUNK, Flusher, place
 
 BUILDING = ("producing", "incomplete", "committed")
 
@@ -99,15 +99,26 @@ def _copy(fd, dest, name, bar):
     h = hashlib.sha256()
     out, commit, abort = dest.writer(name)
     try:
-        at = 0
-        while True:
-            b = os.pread(fd, CHUNK, at)
-            if not b:
-                break
-            h.update(b)
-            out.write(b)
-            at += len(b)
-            bar.update(len(b))
+        try:
+            flusher = Flusher(out.fileno())  # a local file: written back while the copy goes on
+        except (AttributeError, OSError, ValueError):
+            flusher = None  # an object store's upload has no descriptor
+        try:
+            at = 0
+            while True:
+                b = os.pread(fd, CHUNK, at)
+                if not b:
+                    break
+                h.update(b)
+                out.write(b)
+                at += len(b)
+                bar.update(len(b))
+                if flusher is not None:
+                    out.flush()
+                    flusher.wrote(len(b))
+        finally:
+            if flusher is not None:
+                flusher.stop()
         commit()
     except BaseException:
         abort()

@@ -20,7 +20,6 @@ import hashlib
 import json
 import os
 import sys
-import threading
 
 from kdcache.args import Dir, Float, Parser
 from kdcache.store.errors import NewerFormatError, StoreError
@@ -30,7 +29,7 @@ from kdcache.store.paths import parts_path, resolve_cache_dir
 from kdcache.store.segment import lock_holders
 
 from . import manifest as M
-from .remote import failure, place
+from .remote import Flusher, failure, place
 
 STAGE_PREFIX = ".pull-"  # kdcache.store.paths.PULL_STAGE: gc removes a staging folder no pull holds
 LOCK = "lock"
@@ -141,41 +140,6 @@ def _write_atomic(path, data):
         os.close(fd)
     os.replace(tmp, path)
     fsync_dir(os.path.dirname(path))
-
-
-class Flusher:
-    """Writes a file's pages back to disk in a thread while more arrive, every FLUSH_BYTES: the fsync that makes the
-    file durable before it is checked then waits for the last few only, not for the whole file's writeback."""
-
-    FLUSH_BYTES = 32 << 20
-
-    def __init__(self, fd):
-        self.fd, self.pending = fd, 0
-        self.wake, self.done = threading.Event(), False
-        self.thread = threading.Thread(target=self._run, name="kdcache-flush", daemon=True)
-        self.thread.start()
-
-    def wrote(self, n):
-        self.pending += n
-        if self.pending >= self.FLUSH_BYTES:
-            self.pending = 0
-            self.wake.set()
-
-    def _run(self):
-        while True:
-            self.wake.wait()
-            self.wake.clear()
-            if self.done:
-                return
-            try:
-                os.fdatasync(self.fd)
-            except OSError:
-                return  # the final fsync reports what is wrong
-
-    def stop(self):
-        self.done = True
-        self.wake.set()
-        self.thread.join()
 
 
 def fetch(src, entry, stage, bar, *, again=True):

@@ -282,6 +282,41 @@ class Remote:
         return fh, commit, abort
 
 
+class Flusher:
+    """Writes a file's pages back to disk in a thread while more arrive, every FLUSH_BYTES: the fsync that makes the
+    file durable before it is checked then waits for the last few only, not for the whole file's writeback."""
+
+    FLUSH_BYTES = 32 << 20
+
+    def __init__(self, fd):
+        self.fd, self.pending = fd, 0
+        self.wake, self.done = threading.Event(), False
+        self.thread = threading.Thread(target=self._run, name="kdcache-flush", daemon=True)
+        self.thread.start()
+
+    def wrote(self, n):
+        self.pending += n
+        if self.pending >= self.FLUSH_BYTES:
+            self.pending = 0
+            self.wake.set()
+
+    def _run(self):
+        while True:
+            self.wake.wait()
+            self.wake.clear()
+            if self.done:
+                return
+            try:
+                os.fdatasync(self.fd)
+            except OSError:
+                return  # the final fsync reports what is wrong
+
+    def stop(self):
+        self.done = True
+        self.wake.set()
+        self.thread.join()
+
+
 def place(where, *, timeout=30.0):
     """The publication at `where`: a folder, or a URL (`.../manifest.json` names its folder too)."""
     where = str(where)

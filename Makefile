@@ -70,7 +70,7 @@ TEACHER_DEP = $(if $(TEACHER),,$(DEFAULT_TEACHER_FILE))
 
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: help options docs setup lock test test-fast torture bench bench-kd bench-fleet bench-demand bench-store bench-read bench-checksums bench-producer bench-sizing bench-codecs bench-ensemble bench-quality bench-decode bench-recipe bench-recipe-sweep caches verify teacher cache cache-online train train-dist clean
+.PHONY: help options docs setup lock test test-fast torture bench bench-kd bench-fleet bench-publish bench-demand bench-store bench-read bench-checksums bench-producer bench-sizing bench-codecs bench-ensemble bench-quality bench-decode bench-recipe bench-recipe-sweep caches verify teacher cache cache-online train train-dist clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s "$$(printf '\t')"
@@ -80,7 +80,7 @@ setup: $(STAMP)  ## create .venv and install kdcache into it (editable) with its
 # The project is installed into .venv (editable): the `kdcache` command and the packages work from
 # any directory, with no PYTHONPATH. pyproject.toml declares the ranges kdcache works with; the versions
 # installed here are the tested ones, from constraints.txt.
-EXTRAS := datasets,images,test,bench,ray
+EXTRAS := datasets,images,test,bench,ray,share
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || "$$PYTHON" -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[$(EXTRAS)]'
@@ -101,11 +101,12 @@ test: setup  ## run every test (slow ones included), as CI does
 test-fast: setup  ## run the tests not marked slow
 	$(PYTEST) -m "not slow" tests
 
-torture: setup  ## the long fault runs (each test up to an hour, not make test's 10 min): 20 kills of the producer, a 60 s soak, 400 threaded reads, 100+ signals at start-up, hostile .parts entries, 8,000 flipped bits in rows, every bit of every codec's metadata and 10,000 through every tool, 12 trainer kills, every fault test
+torture: setup  ## the long fault runs (each test up to an hour, not make test's 10 min): 20 kills of the producer, a 60 s soak, 400 threaded reads, 100+ signals at start-up, hostile .parts entries, 8,000 flipped bits in rows, every bit of every codec's metadata and 10,000 through every tool, 12 trainer kills, 20 kills of a pull, every fault test
 	KDCACHE_TORTURE=1 $(PYTEST) --timeout 3600 tests/test_faults.py tests/test_store_mp.py \
 		tests/test_compact_crash.py tests/test_store_trust.py tests/test_ring_trust.py tests/test_identity.py \
 		tests/test_reader_threads.py tests/test_signals.py tests/test_cache_dir_entries.py tests/test_nonfinite.py \
-		tests/test_compact_nospace.py tests/test_checksums.py tests/test_recipe.py tests/test_seal.py tests/test_trust_others.py
+		tests/test_compact_nospace.py tests/test_checksums.py tests/test_recipe.py tests/test_seal.py tests/test_trust_others.py \
+		tests/test_pull_server.py
 
 bench: setup $(CODEC_TEACHERS)  ## every benchmark side by side: KD scenarios, demand-driven producing, store, reading at scale, producer, many hosts (Ray), ImageNet sizing, codecs, the default recipe's accuracy (QUICK=1: short runs)
 	$(PY) -m bench.kd $(if $(QUICK),--quick)
@@ -156,6 +157,9 @@ bench-store: setup  ## store micro-benchmarks: gather, write order, codec sizes 
 
 bench-checksums: setup  ## what the checksums of a finished cache cost: compaction, open, warm and cold gathers, verify, with and without (QUICK=1 for a short run)
 	$(PY) -m bench.checksums $(if $(QUICK),--quick)
+
+bench-publish: setup  ## publishing and pulling a cache from a real nginx (apt-get install nginx-light): the pull's rate against curl, a resume after kill -9 at 50%, publish and pull at ImageNet-1k's size, 2.56 GB (QUICK=1 for a short run)
+	$(PY) -m bench.publish $(if $(QUICK),--quick)
 
 bench-read: setup  ## reading a finished cache at ImageNet-1k size: mapped vs RAM reader, open, gathers warm and cold, memory of 4 readers (writes as many views, up to 10, as leave 20 GB free in the temp dir; QUICK=1 for a short run)
 	$(PY) -m bench.read_scale $(if $(QUICK),--quick)

@@ -49,6 +49,7 @@ BENCHMARKS = {
     "bench.ensemble_fashion": ("bench.ensemble.run", "ensemble_fashion.json"),
     "bench.codecs_sampled": ("bench.codecs.sampled", "codecs_sampled.json"),
     "bench.quality": ("bench.quality.run", "quality.json"),
+    "bench.publish": ("bench.publish.run", "publish.json"),
 }
 
 # block name -> (module, the list of kdcache.args.Option it declares): each command's options with their help

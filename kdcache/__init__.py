@@ -8,13 +8,16 @@ The public API (imported on first use: `import kdcache` loads neither MXNet, h5p
     load_dataset(name, *, data_root, split, ...)  a data set as `kdcache cache --dataset` loads it
     CacheReader(path)                  the teacher's logits by (sample index, view); no MXNet
     EnsembleReader(caches, rule=)      several teachers' caches combined per key, read as one CacheReader
+    publish(cache, dest)               a finished cache, its manifest and card to a folder or URL (kdcache publish)
+    pull(src, *, cache_dir, expect_sha256)  a published cache fetched, checked and installed (kdcache pull)
     SoftTargetDataset(dataset, cache)  Gluon: items (image, label, teacher logits)
     KDLoss(temperature, alpha)         Gluon: the KD loss of (student logits, teacher logits, label)
     SoftTargetIter(dataset, reader)    Module API: batches with `softmax_label` and `soft_label`
     kd_symbol(logits, temperature=, alpha=)  Module API: the same KD loss as a training symbol
 
 The packages: store (the soft-target cache), cache_builder (the CPU teacher producer), trainer
-(the student), pipeline (data sets, views, the schedule, the teacher runner). `kdcache` is the
+(the student), pipeline (data sets, views, the schedule, the teacher runner), share (publishing
+and pulling caches). `kdcache` is the
 command line of all of them (kdcache.cli). docs/api.md shows the API at work.
 """
 __version__ = "0.2.0"
@@ -24,6 +27,7 @@ __version__ = "0.2.0"
 _PUBLIC = {
     "build_cache": "kdcache.api", "cache_path": "kdcache.api", "load_dataset": "kdcache.api",
     "BuildError": "kdcache.api",
+    "publish": "kdcache.share.publish", "pull": "kdcache.share.pull", "ShareError": "kdcache.share",
     "CacheReader": "kdcache.store", "EnsembleReader": "kdcache.store",
     "SoftTargetDataset": "kdcache.trainer.softdata",
     "KDLoss": "kdcache.trainer.loss",

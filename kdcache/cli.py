@@ -16,6 +16,10 @@ COMMANDS = {
     "gc": ("kdcache.store.__main__", "remove incomplete, damaged or unused caches and stale shared-memory rings"),
     "convert": ("kdcache.store.convert", "write a cache in another codec or dtype from a finished one, without the "
                                          "teacher (prints its path)"),
+    "publish": ("kdcache.share.publish", "write a finished cache, its manifest.json and a README.md card to a folder or "
+                                         "URL, for others to pull"),
+    "pull": ("kdcache.share.pull", "fetch a published cache (folder or URL), resumed and checked, into the cache "
+                                   "directory under its fingerprint"),
     "options": ("kdcache.pipeline.options", "the options the producer and the trainer share, with their defaults"),
 }
 STORE_COMMANDS = ("ls", "inspect", "verify", "gc")

@@ -13,7 +13,8 @@ from . import schema
 from .compact import finalize, remove_parts
 from .errors import NoSpaceError, StoreError
 from .osutil import NotOurs, is_ours, listdir, open_regular, own, regular, skipped
-from .paths import ASIDE, BUILD_FILE, COMPACT_TMP, final_path, finish_discard, foreign_files, parts_path, pid_alive
+from .paths import (ASIDE, BUILD_FILE, COMPACT_TMP, PULL_FILE, PULL_STAGE, final_path, finish_discard, foreign_files,
+                    parts_path, pid_alive)
 from .segment import HOST, count_done, lock_holders, open_final, read_manifest
 from .validate import check_final, read_meta, spec_from_meta
 
@@ -144,6 +145,10 @@ def stale_files(cache_dir, *, min_age_s=0.0):
     now = time.time()
     for n in listdir(cache_dir):
         p = os.path.join(cache_dir, n)
+        if PULL_STAGE.match(n):
+            if _stopped_pull(p, now - min_age_s):
+                out.append((p, "left by a pull that stopped (the same pull would have resumed it)"))
+            continue
         m, a = COMPACT_TMP.match(n), ASIDE.match(n)
         pid = m.group(2) if m else a.group(3) if a else None
         if pid is None or pid_alive(pid):
@@ -166,9 +171,79 @@ def stale_files(cache_dir, *, min_age_s=0.0):
     return out
 
 
+@contextlib.contextmanager
+def _pull_lock(stage):
+    """Hold the lock of a pull's staging folder without blocking: yields True when held (no pull uses it)."""
+    try:
+        fd, _ = open_regular(os.path.join(stage, "lock"))
+    except FileNotFoundError:
+        yield True  # a pull takes its lock first thing: one that died before it left nothing to race
+        return
+    except OSError:
+        yield False
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        os.close(fd)
+
+
+def _stopped_pull(stage, before):
+    """True for a pull's staging folder of this uid that no pull holds, untouched since `before`."""
+    try:
+        st = os.lstat(stage)
+    except OSError:
+        return False
+    if not stat.S_ISDIR(st.st_mode) or not own(st):
+        skipped(stage, "not a folder kdcache wrote")
+        return False
+    newest = st.st_mtime
+    for n in listdir(stage):
+        try:
+            newest = max(newest, os.lstat(os.path.join(stage, n)).st_mtime)
+        except OSError:
+            continue
+    if newest > before:
+        return False
+    with _pull_lock(stage) as free:
+        return free
+
+
+def _remove_pull_stage(stage):
+    """Remove a stopped pull's staging folder under its lock: only the files a pull writes; a folder holding
+    anything else is left (and named by the next gc)."""
+    with _pull_lock(stage) as free:
+        if not free:
+            return
+        for n in listdir(stage):
+            p = os.path.join(stage, n)
+            if PULL_FILE.match(n) and is_ours(p) and n != "lock":
+                try:
+                    os.unlink(p)
+                except FileNotFoundError:
+                    pass
+        try:
+            os.unlink(os.path.join(stage, "lock"))
+        except FileNotFoundError:
+            pass
+    try:
+        os.rmdir(stage)
+    except OSError:
+        pass
+
+
 def remove_stale(path):
     """Remove one of stale_files' findings, checking again under the cache's locks."""
     d, n = os.path.split(path)
+    if PULL_STAGE.match(n):
+        _remove_pull_stage(path)
+        return
     m = COMPACT_TMP.match(n)
     if not m:
         finish_discard(path)

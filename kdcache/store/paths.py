@@ -16,6 +16,10 @@ ENV_DIR = "KDCACHE_DIR"
 # ASCII digits only: Python's \d also matches other scripts' digits, which kdcache never writes.
 COMPACT_TMP = re.compile(r"^([0-9a-f]{8,64})\.h5\.tmp-(\d+)$", re.ASCII)        # a compaction's temporary file
 ASIDE = re.compile(r"^\.([0-9a-f]{8,64})\.(h5|parts)\.gc-(\d+)$", re.ASCII)      # an entry renamed aside for removal
+# A pull's staging folder (kdcache.share.pull), beside the caches: its lock, the manifest it fetched, the cache file
+# being fetched (.part) or fetched and checked. `gc` removes one that no pull holds.
+PULL_STAGE = re.compile(r"^\.pull-([0-9a-f]{8,64})$", re.ASCII)
+PULL_FILE = re.compile(r"^(lock|manifest\.json(\.tmp-\d+)?|[0-9a-f]{8,64}\.h5(\.part)?)$", re.ASCII)
 # Immutable parts (store.parts): a published part, and what a publish writes before its link (named for
 # its host and pid), or a damaged part set aside.
 PART = re.compile(r"^part-(\d{12})-(\d{12})-([0-9a-f]{8})\.h5$", re.ASCII)

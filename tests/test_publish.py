@@ -168,6 +168,8 @@ def test_a_manifest_that_does_not_hold_together_is_refused_before_any_file(origi
         bad = copy_publication(pub, str(tmp_path / f"bad{i}"), change=change)
         one_line(cli("pull", bad, "--cache-dir", tmp_path / "c"), words)
         nothing_installed(tmp_path / "c")
+        with pytest.raises(ShareError, match=words):  # the API's one error type, with the same line
+            kdcache.pull(bad, cache_dir=str(tmp_path / "c"))
     assert not os.path.exists(tmp_path / "escape.h5")
 
 

@@ -131,9 +131,22 @@ def publish(cache, dest, *, cache_dir=None, url=None, teacher=None, progress=Fal
     installed fsspec back end writes: file://, s3://, gs://, ...): its file unchanged, then manifest.json, then
     README.md. `url`: where `dest` will be served, for the card's pull line. `teacher`: the teacher's checkpoint
     prefix, whose PREFIX-info.json (kdcache teacher writes it) gives the card the teacher's test accuracy; its files
-    must be the ones the cache records. Returns {"fingerprint", "dest",
-    "manifest_sha256", "files", "pull"}. A cache still being built, damaged or failing verify raises ShareError
-    (one line) and nothing is written."""
+    must be the ones the cache records. Returns {"fingerprint", "dest", "manifest_sha256", "files", "pull"}. A
+    cache still being built, damaged or failing verify raises ShareError (one line) and nothing is written; so does
+    every other refusal or failure (the store's own errors, the file system's)."""
+    try:
+        return _publish(cache, dest, cache_dir=cache_dir, url=url, teacher=teacher, progress=progress,
+                        command=command)
+    except M.ShareError:
+        raise
+    except StoreError as e:
+        raise M.ShareError(str(e)) from None
+    except OSError as e:
+        raise M.ShareError(f"{e.filename or dest}: {e.strerror or e} ({type(e).__name__}): check the cache and the "
+                           f"destination, then run the same command again") from None
+
+
+def _publish(cache, dest, *, cache_dir, url, teacher, progress, command):
     from kdcache import __version__
     base = find_cache(cache, cache_dir)
     if os.path.isdir(parts_path(base)) and not os.path.exists(final_path(base)):

@@ -259,8 +259,21 @@ def pull(src, *, cache_dir=None, expect_sha256=None, timeout=30.0, progress=Fals
     """Fetch the publication at `src` (a folder, or a URL: http(s):// through fsspec's HTTP back end, file://,
     s3://, ... where installed), check it and install it in the cache directory under its fingerprint.
     Returns {"fingerprint", "path", "fetched" (bytes fetched by this call), "installed" (False when the same
-    file was there already), "manifest_sha256"}. Raises ShareError (one line) when refused; nothing is installed
-    then. `expect_sha256`: the manifest's sha256 as its publisher gave it; any other manifest is refused."""
+    file was there already), "manifest_sha256"}. Raises ShareError (one line) when refused or when it fails;
+    nothing is installed then. `expect_sha256`: the manifest's sha256 as its publisher gave it; any other
+    manifest is refused."""
+    try:
+        return _pull(src, cache_dir=cache_dir, expect_sha256=expect_sha256, timeout=timeout, progress=progress)
+    except M.ShareError:
+        raise
+    except StoreError as e:
+        raise M.ShareError(str(e)) from None
+    except OSError as e:
+        raise M.ShareError(f"{e.filename or src}: {e.strerror or e} ({type(e).__name__}): check the cache directory "
+                           f"and run the same command again") from None
+
+
+def _pull(src, *, cache_dir, expect_sha256, timeout, progress):
     if expect_sha256 is not None:
         expect_sha256 = str(expect_sha256).strip().lower()
         if not M.SHA256.match(expect_sha256):

@@ -14,7 +14,7 @@ from kdcache.store.osutil import fsync_dir
 
 from .manifest import ShareError
 
-EXTRA = "pip install 'kdcache[share]' numpy==1.23.5"
+EXTRA = "pip install 'kdcache[share]'"
 CHUNK = 8 << 20        # bytes per read: what an interrupted transfer may fetch twice, at most
 PIECE = 1 << 20        # bytes per piece of an HTTP response handed to the writer
 HTTP = ("http", "https")

@@ -59,14 +59,7 @@ def run_all(kids, jobs, tasks, json_line=True):
     """bench.codecs.run_all: tasks [(argv, what, timeout, folder to remove after)], `jobs` at a time; a teacher's
     training prints no JSON line (json_line=False)."""
     from bench.codecs.run import run_all as run
-
-    class Kids:  # the same children, with this json_line
-        live = kids.live
-
-        @staticmethod
-        def run(argv, what, timeout):
-            return kids.run(argv, what, timeout=timeout, json_line=json_line)
-    return run(Kids, jobs, tasks)
+    return run(kids, jobs, tasks, json_line=json_line)
 
 
 def data_args(p):

@@ -101,12 +101,12 @@ test: setup  ## run every test (slow ones included), as CI does
 test-fast: setup  ## run the tests not marked slow
 	$(PYTEST) -m "not slow" tests
 
-torture: setup  ## the long fault runs (each test up to an hour, not make test's 10 min): 20 kills of the producer, a 60 s soak, 400 threaded reads, 100+ signals at start-up, hostile .parts entries, 8,000 flipped bits in rows, every bit of every codec's metadata and 10,000 through every tool, 12 trainer kills, 20 kills of a pull, every fault test
+torture: setup  ## the long fault runs (each test up to an hour, not make test's 10 min): 20 kills of the producer, a 60 s soak, 400 threaded reads, 100+ signals at start-up, hostile .parts entries, 8,000 flipped bits in rows, every bit of every codec's metadata and 10,000 through every tool, 12 trainer kills, 20 kills of a pull, 90 + 70 command lines of train and cache at the door, every fault test
 	KDCACHE_TORTURE=1 $(PYTEST) --timeout 3600 tests/test_faults.py tests/test_store_mp.py \
 		tests/test_compact_crash.py tests/test_store_trust.py tests/test_ring_trust.py tests/test_identity.py \
 		tests/test_reader_threads.py tests/test_signals.py tests/test_cache_dir_entries.py tests/test_nonfinite.py \
 		tests/test_compact_nospace.py tests/test_checksums.py tests/test_recipe.py tests/test_seal.py tests/test_trust_others.py \
-		tests/test_pull_server.py
+		tests/test_pull_server.py tests/test_door.py
 
 bench: setup $(CODEC_TEACHERS)  ## every benchmark side by side: KD scenarios, demand-driven producing, store, reading at scale, producer, many hosts (Ray), ImageNet sizing, codecs, the default recipe's accuracy (QUICK=1: short runs)
 	$(PY) -m bench.kd $(if $(QUICK),--quick)

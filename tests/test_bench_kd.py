@@ -81,7 +81,7 @@ def test_bench_kd_quick_writes_report_and_plot(tmp_path):
     assert [d.startswith("kdcache-kd-") for d in os.listdir(tmp_path / "scratch")] == [True]
 
 
-SIZES = '{"reps":3,"tries":1,"epoch_s":1.5,"min_steps":6,"max_steps":40}'  # bench.kd --quick's
+SIZES = '{"reps":3,"tries":1,"epoch_s":0.75,"min_steps":3,"max_steps":40}'  # bench.kd --quick's
 
 
 @pytest.mark.parametrize("module, flag, argv", [
@@ -91,7 +91,7 @@ SIZES = '{"reps":3,"tries":1,"epoch_s":1.5,"min_steps":6,"max_steps":40}'  # ben
     # the MXNet child: each option checked as the trainer's are, and the options each child needs
     ("kd.children", "--root", "prepare --sizes " + SIZES), ("kd.children", "--root", "prepare --root {tmp}/file"),
     ("kd.children", "--sizes", "prepare --root {tmp}/dir --sizes " + SIZES.replace('"reps":3', '"reps":0')),
-    ("kd.children", "--sizes", "prepare --root {tmp}/dir --sizes " + SIZES.replace("1.5", "NaN")),
+    ("kd.children", "--sizes", "prepare --root {tmp}/dir --sizes " + SIZES.replace("0.75", "NaN")),
     ("kd.children", "--teacher", "async --teacher {tmp}/none --dataset digits"),
     ("kd.children", "--epochs", "async --teacher {tmp}/none --dataset digits --epochs 0"),
     ("kd.children", "--ctx", "async --teacher {tmp}/none --dataset digits --ctx tpu"),

@@ -16,6 +16,8 @@ from hypothesis import strategies as st
 pytestmark = pytest.mark.slow
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MXNET_SUBGRAPH_VERBOSE": "0", "KDCACHE_RING_TIMEOUT": "60"}
+# Each example is a command run (seconds): make test draws a short series, make torture a longer one.
+TORTURE = os.environ.get("KDCACHE_TORTURE") == "1"
 
 BAD_INT = ["0", "-1", "-3", "x", "1.5", "", "99999999999999"]
 BAD_FLOAT = ["-1", "nan", "inf", "-inf", "x", ""]
@@ -289,7 +291,7 @@ SETTINGS = dict(deadline=None, derandomize=True, database=None,
                                        HealthCheck.data_too_large])
 
 
-@settings(max_examples=45, **SETTINGS)
+@settings(max_examples=90 if TORTURE else 20, **SETTINGS)
 @given(draw(TRAIN, data=True))
 def test_train(world, pairs):
     tmp, run = world["tmp"], next_run(world)
@@ -302,7 +304,7 @@ def test_train(world, pairs):
     check(world, run_cmd(tmp, *argv), before, expected_ok("train", pairs), sound_training)
 
 
-@settings(max_examples=35, **SETTINGS)
+@settings(max_examples=70 if TORTURE else 15, **SETTINGS)
 @given(draw(CACHE, data=True))
 def test_cache(world, pairs):
     tmp = world["tmp"]

@@ -259,8 +259,9 @@ def test_bench_ensemble_quick_on_fashion_mnist_files(tmp_path):
     fake_fashion_mnist(tmp_path / "fashion")
     proc, rep = run_bench("ensemble", tmp_path, "--dataset", "fashion-mnist", "--data-root", tmp_path / "fashion",
                           timeout=600)
-    assert rep["settings"]["dataset"] == "fashion-mnist" and rep["settings"]["teacher_epochs"] == 2
-    assert [t["epochs"] for t in rep["teachers"].values()] == [2, 2, 2]
+    from bench.ensemble.run import QUICK_TEACHER_EPOCHS
+    assert rep["settings"]["dataset"] == "fashion-mnist" and rep["settings"]["teacher_epochs"] == QUICK_TEACHER_EPOCHS
+    assert [t["epochs"] for t in rep["teachers"].values()] == [QUICK_TEACHER_EPOCHS] * 3
     assert all(0 < t["test_acc"] <= 1 and t["cache_teacher_forwards"] == 400 for t in rep["teachers"].values())
     assert [t["arch"] for t in rep["teachers"].values()] == ["mnist_teacher", "mnist_teacher", "mlp800x2"]
     assert rep["ensemble"]["teacher_forwards_to_build"] == 0

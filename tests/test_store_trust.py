@@ -24,6 +24,8 @@ from tests.helpers import expected_logits, make_spec, produce, seal_again
 ENV = {**os.environ, "PYTHONPATH": ROOT}
 DEAD_PID = 2 ** 22 + 1  # above the largest pid_max Linux allows: never a live process
 OLD = time.time() - 100 * 86400
+# Each drawn edit runs four commands: make test draws a few beside the listed examples, make torture many.
+TORTURE = os.environ.get("KDCACHE_TORTURE") == "1"
 
 
 def cli(*args, timeout=120):
@@ -204,7 +206,7 @@ def edited_copy(template, tmp_path, attr, value):
 
 
 @pytest.mark.slow
-@settings(max_examples=25, deadline=None, derandomize=True, database=None,
+@settings(max_examples=200 if TORTURE else 6, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(attr=st.sampled_from(CHECKED), value=st.one_of(st.just(DELETE), SET))
 @examples(EXAMPLES)

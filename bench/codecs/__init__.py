@@ -25,5 +25,5 @@ reach on this data. A random linear teacher would know nothing of the labels.
 
 Every MXNet process is a child with one compute thread (OMP_NUM_THREADS=1, --threads 1); --jobs
 of them run at once. Accuracies do not depend on other load; run times do. Full run ~15-25 min on
-2 cores, --quick (1 seed, a few epochs) ~2-3 min.
+2 cores, --quick (1 seed, 1-2 epochs, the synthetic case on 2,000 samples) ~1-2 min.
 """

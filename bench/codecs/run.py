@@ -14,11 +14,19 @@ from kdcache.args import Allowed, Int, Option, Path, fail  # noqa: E402
 
 DEFAULT_OUT = os.path.join("bench", "results", "codecs.json")
 SYNTHETIC = {"n": 10000, "classes": 1000, "shape": (1, 4, 4), "seed": 0}
-SYNTHETIC_ARG = "synthetic:n={n},classes={classes},shape={s[0]}x{s[1]}x{s[2]},seed={seed}".format(
-    **SYNTHETIC, s=SYNTHETIC["shape"])
+# --quick's synthetic case: the same classes and posterior on fewer samples (it checks that every row is written)
+QUICK_SYNTHETIC = dict(SYNTHETIC, n=2000)
+
+
+def synthetic_arg(synthetic):
+    return "synthetic:n={n},classes={classes},shape={s[0]}x{s[1]}x{s[2]},seed={seed}".format(
+        **synthetic, s=synthetic["shape"])
+
+
+SYNTHETIC_ARG, QUICK_SYNTHETIC_ARG = synthetic_arg(SYNTHETIC), synthetic_arg(QUICK_SYNTHETIC)
 # name: (--dataset, default teacher name or None for the synthetic posterior, epochs, --quick epochs)
-DATASETS = {"digits": ("digits", "digits", 30, 5), "mnist5k": ("mnist5k", "mnist5k", 20, 3),
-            "synthetic": (SYNTHETIC_ARG, None, 10, 2)}
+DATASETS = {"digits": ("digits", "digits", 30, 2), "mnist5k": ("mnist5k", "mnist5k", 20, 2),
+            "synthetic": (SYNTHETIC_ARG, None, 10, 1)}
 # Views and augmentation of every student of a data set (and of its caches): mnist5k distils on 8 views shifted by
 # up to 2 pixels (Hinton et al. 2015 jittered MNIST by up to 2 pixels), the student from scratch on the same views.
 # Measured on 3 seeds: one view closed 0.30 of the scratch-to-teacher gap, 8 views 0.47 (T = 4, alpha 0.3-0.9,
@@ -35,7 +43,7 @@ SAMPLED_BESIDE = {"sampled:9": "topk:5", "sampled:16": "topk:10"}
 EXACT = "full/float32"
 STUDENT = {"student": "mlp128", "lr": 1e-2, "batch_size": 64, "temperature": 20.0, "alpha": 0.5}
 HINTON = "mnist5k"  # the data set of the Hinton-style table (inline KD runs there only)
-QUICK_TEACHER_EPOCHS = 5
+QUICK_TEACHER_EPOCHS = 2
 
 log = make_log("codecs")
 
@@ -65,7 +73,8 @@ OPTIONS = [
     like(trainer_option("temperature"), f"the students' KD temperature (default {STUDENT['temperature']:g}, the "
          f"README's digits setting)", group=RUN),
     like(trainer_option("alpha"), f"weight of the soft term (default {STUDENT['alpha']:g})", group=RUN),
-    quick_option(f"1 seed, a few epochs, a {QUICK_TEACHER_EPOCHS}-epoch teacher where one is missing (~2-3 min)"),
+    quick_option(f"1 seed, 1-2 epochs, {QUICK_SYNTHETIC['n']:,} synthetic samples, a {QUICK_TEACHER_EPOCHS}-epoch "
+                 "teacher where one is missing (~1-2 min)"),
     out_option(DEFAULT_OUT, "JSON report"),
     tmp_option("work directory for teachers, caches and runs (default: a new temporary directory, removed at the "
                "end; a directory given here is kept)"),
@@ -79,9 +88,9 @@ def codecs_for(classes):
     return [c for c in CODECS if kept(c[0])]
 
 
-def run_all(kids, jobs, tasks):
+def run_all(kids, jobs, tasks, json_line=True):
     """Run tasks [(argv, what, timeout, folder to remove after or None)], `jobs` at a time; their results in
-    order. The first failure stops the others and is raised."""
+    order (json_line: each child prints a JSON line last). The first failure stops the others and is raised."""
     from concurrent.futures import ThreadPoolExecutor
     errors = []
 
@@ -90,7 +99,7 @@ def run_all(kids, jobs, tasks):
         if errors:
             return None
         try:
-            return kids.run(argv, what, timeout=timeout)
+            return kids.run(argv, what, timeout=timeout, json_line=json_line)
         except BaseException as e:
             errors.append(e)
             for c in list(kids.live.values()):
@@ -109,11 +118,17 @@ def run_all(kids, jobs, tasks):
     return [f.result() for f in futures]
 
 
-def teachers(kids, args, names, work):
-    """{data set: (prefix, how it was obtained)}: the default teacher, one trained here, or the posterior."""
-    out = {}
+def dataset_arg(name, quick):
+    """The --dataset of data set `name` in a full or a --quick run."""
+    return QUICK_SYNTHETIC_ARG if quick and name == "synthetic" else DATASETS[name][0]
+
+
+def teachers(kids, args, names, work, jobs):
+    """{data set: (prefix, how it was obtained)}: the default teacher, one trained here (`jobs` at a time), or
+    the posterior."""
+    out, training = {}, []
     for name in names:
-        arg, default, _, _ = DATASETS[name]
+        arg, default = dataset_arg(name, args.quick), DATASETS[name][1]
         if default is None:
             from bench.codecs.metrics import posterior_teacher
             prefix = os.path.join(work, "teachers", name)
@@ -129,10 +144,11 @@ def teachers(kids, args, names, work):
         prefix = os.path.join(work, "teachers", name)
         epochs = ["--epochs", QUICK_TEACHER_EPOCHS] if args.quick else []
         log(f"no {name} teacher at {shown}: training one here ({'quick' if args.quick else 'its recipe'})")
-        kids.run(python_m("kdcache.trainer.make_teacher", "--dataset", arg, "--out", prefix, "--threads", 1, "--quiet",
-                          *epochs), f"training the {name} teacher", timeout=1800, json_line=False)
+        training.append((python_m("kdcache.trainer.make_teacher", "--dataset", arg, "--out", prefix, "--threads", 1,
+                                  "--quiet", *epochs), f"training the {name} teacher", 1800, None))
         out[name] = (prefix, f"trained here ({'quick, ' if args.quick else ''}make_teacher's recipe"
                              f"{f', {QUICK_TEACHER_EPOCHS} epochs' if args.quick else ''})")
+    run_all(kids, jobs, training, json_line=False)
     return out
 
 
@@ -213,13 +229,13 @@ def measure(kids, args, p, work):
     names = p["datasets"]
     caches = os.path.join(work, "caches")
     t0 = time.perf_counter()
-    got = teachers(kids, args, names, work)
+    got = teachers(kids, args, names, work, p["jobs"])
     step_s = {"teachers": round(time.perf_counter() - t0, 1)}
 
     from kdcache.pipeline.datasets import load_dataset
     plan = {}
     for name in names:
-        arg = DATASETS[name][0]
+        arg = dataset_arg(name, args.quick)
         train, test = load_dataset(arg, split="train"), load_dataset(arg, split="test")
         plan[name] = {"arg": arg, "classes": train.num_classes, "n_train": len(train), "n_test": len(test),
                       "codecs": codecs_for(train.num_classes), "epochs": DATASETS[name][3 if args.quick else 2],
@@ -273,7 +289,8 @@ def measure(kids, args, p, work):
 
     report = {"settings": {**STUDENT, "temperature": p["temperature"], "alpha": p["alpha"],
                            "seeds": {name: plan[name]["seeds"] for name in names},
-                           "threads": 1, "jobs": p["jobs"], "wd": 1e-4, "synthetic": SYNTHETIC_ARG,
+                           "threads": 1, "jobs": p["jobs"], "wd": 1e-4,
+                           "synthetic": dataset_arg("synthetic", args.quick),
                            "views": {name: {"views": plan[name]["views"][0], "augment": plan[name]["views"][1]}
                                      for name in names}},
               "datasets": {}, "step_s": step_s}

@@ -21,5 +21,5 @@ the largest difference of any final weight).
 
 Every MXNet process is a child with one compute thread (OMP_NUM_THREADS=1, --threads 1,
 --producer-threads 1): accuracies, not speeds, are measured here, and they do not depend on
-other load on the machine. Full run ~4 min on one core, --quick (2 seeds, fewer epochs) ~1 min.
+other load on the machine. Full run ~4 min on one core, --quick (2 seeds, 4 epochs) ~30 s.
 """

@@ -22,7 +22,7 @@ DEFAULT_OUT = os.path.join("bench", "results", "distill.json")
 # students much smaller than the teacher's knowledge (mlp with 8-32 units, small_cnn) lose with KD.
 FULL = dict(seeds=5, student="mlp128", epochs=30, lr=1e-2, batch_size=64, temperature=20.0, alpha=0.5,
             teacher_epochs=40)
-QUICK = dict(FULL, seeds=2, epochs=10, teacher_epochs=10)
+QUICK = dict(FULL, seeds=2, epochs=4, teacher_epochs=4)
 MODES = [("scratch", "none"), ("inline", "inline"), ("cache", "cache")]
 ROWS = [("teacher", "teacher"), ("scratch", "student from scratch"), ("inline", "student distilled (inline)"),
         ("cache", "student distilled (cache)")]
@@ -34,7 +34,7 @@ STUDENT, TEACHER = "student (the same budget for every row)", "teacher"
 TEACHER_EPOCHS = next(o for o in make_teacher.TEACHER if o.dest == "epochs")
 OPTIONS = [
     Option("--seeds", "student seeds 0..N-1 (default 5; --quick 2)", type=Int(1), metavar="N", group=RUN),
-    quick_option("2 seeds, 10 student and 10 teacher epochs (about a minute)"),
+    quick_option("2 seeds, 4 student and 4 teacher epochs (about half a minute)"),
     out_option(DEFAULT_OUT, "JSON report"),
     like(trainer_option("teacher"), "reuse this teacher checkpoint instead of training one", metavar="PREFIX",
          group=TEACHER),

@@ -21,6 +21,6 @@ the CNN teachers 5, the MLP 15, the students 8 (FASHION_TEACHER_EPOCHS, FASHION_
 with --jobs 1).
 
 Every MXNet process is a child with one compute thread (OMP_NUM_THREADS=1); --jobs of them run at once.
-Full run ~15-25 min on 2 cores (Fashion-MNIST ~30-40 min); --quick (2-epoch teachers, 1 seed, 2 epochs) ~2 min
+Full run ~15-25 min on 2 cores (Fashion-MNIST ~30-40 min); --quick (1-epoch teachers, 1 seed, 1 epoch) ~1 min
 on mnist5k.
 """

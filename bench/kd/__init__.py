@@ -12,7 +12,7 @@ machine two devices are emulated by two cores: where the teacher and the student
 where they run together (inline) they share the student's one core, as on one GPU.
 
 Data: `synthetic` 3x32x32, 10 classes, sized from the measured student step so that one student
-epoch takes about 5 s (--quick: 1.5 s); 2 epochs (--quick: 1). Student: `small_cnn`. Two
+epoch takes about 5 s (--quick: 0.75 s, 3 steps at least); 2 epochs (--quick: 1). Student: `small_cnn`. Two
 teachers, exported here (explicit prefix, fixed seed): a VGG-style CNN whose width (a multiple
 of 8) and depth are calibrated so that its forward of a batch takes about 1/3 (light) or 2x
 (heavy) the student's training step on the same batch, both on one thread; the measured ratios

@@ -19,10 +19,10 @@ PNG_NAME = "kd_online.png"
 # --quick's rounds after the first run the guard's pair alone (warm, student alone: scenarios.GUARD), so that its
 # paired figure comes in under three minutes; its other floors rest on one run and are UNMEASURABLE.
 FULL = dict(epoch_s=5.0, min_steps=30, max_steps=400, epochs=2, reps=7, tries=4, rounds=4, full_rounds=4)
-QUICK = dict(epoch_s=1.5, min_steps=6, max_steps=40, epochs=1, reps=3, tries=1, rounds=5, full_rounds=1)
+QUICK = dict(epoch_s=0.75, min_steps=3, max_steps=40, epochs=1, reps=3, tries=1, rounds=5, full_rounds=1)
 
 OPTIONS = [
-    quick_option("a data set of a few seconds per epoch (figures noisier)"),
+    quick_option("a data set of about a second per epoch (figures noisier)"),
     out_option(DEFAULT_OUT),
     Option("--png", f"plot path (default: {PNG_NAME} beside --out)", type=OutFile(), metavar="FILE", group=OUTPUT),
     tmp_option("directory for teachers, caches and runs, kept there for inspection (runs, logs; default: a "

@@ -53,7 +53,7 @@ def export(dataset, out, *, per_class=None, fmt="png", quality=95, progress=None
     import numpy as np
     from kdcache import signals
     from kdcache.extras import require
-    Image = require("PIL", "exporting a data set as image files", PipelineError).Image
+    Image = require("PIL.Image", "exporting a data set as image files", PipelineError)
     idx = chosen(dataset.labels, per_class)
     width = len(str(dataset.num_classes - 1))
     root = os.path.join(out, dataset.split)

@@ -187,6 +187,14 @@ class ByteSize(Allowed):
         return int(float(m.group(1)) * (1 << (10 * " kmgt".index(m.group(2) or " "))))
 
 
+def human_bytes(b):
+    """A byte count as people read it, in ByteSize's powers of 1024: 512 B, 1.5 KiB, 2.4 GiB."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if b < 1024 or unit == "TiB":
+            return f"{b:.0f} {unit}" if unit == "B" else f"{b:.1f} {unit}"
+        b /= 1024
+
+
 class Name(Allowed):
     """Letters, digits, '-', '_' and '.' (it names a file or a folder)."""
 

@@ -17,6 +17,7 @@ import hashlib
 import json
 import re
 
+from kdcache.args import human_bytes
 from kdcache.store import schema
 from kdcache.store.errors import NewerFormatError, StoreError
 from kdcache.store.fingerprint import fingerprint, is_fingerprint
@@ -152,13 +153,6 @@ def parse(raw, where):
     if names != {cache_file_name(fp)}:
         raise _refuse(where, f"its files {sorted(names)} are not the one cache file {cache_file_name(fp)}")
     return m
-
-
-def human_bytes(b):
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if b < 1024 or unit == "TiB":
-            return f"{b:.0f} {unit}" if unit == "B" else f"{b:.1f} {unit}"
-        b /= 1024
 
 
 def _identity_lines(x):

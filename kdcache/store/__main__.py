@@ -5,7 +5,7 @@ import json
 import os
 import sys
 
-from kdcache.args import ByteSize, Dir, Float, Parser
+from kdcache.args import ByteSize, Dir, Float, Parser, human_bytes
 
 from . import registry
 from .errors import StoreError
@@ -29,13 +29,6 @@ def _iso(t):
     if isinstance(t, (int, float)) and not isinstance(t, bool):
         return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).isoformat(timespec="seconds")
     return t
-
-
-def _size(b):
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if b < 1024 or unit == "TiB":
-            return f"{b:.0f} {unit}" if unit == "B" else f"{b:.1f} {unit}"
-        b /= 1024
 
 
 def _table(rows, cols):
@@ -62,7 +55,7 @@ def cmd_ls(args):
              "teacher": e.get("teacher", ""), "dataset": e.get("dataset", ""), "views": e.get("views", ""),
              "augment": _augment(e),
              "codec": f"{e.get('codec', '')}/{e.get('dtype', '')}" if e.get("codec") else "",
-             "done": f"{100 * e.get('done', 0):.1f}%", "size": _size(e["size"]),
+             "done": f"{100 * e.get('done', 0):.1f}%", "size": human_bytes(e["size"]),
              "created": _when(e.get("created")), "last used": _when(e.get("last_used"))} for e in entries]
     print(f"caches in {d}:")
     print(_table(rows, list(rows[0])))
@@ -147,7 +140,7 @@ def cmd_gc(args):
                           "kept": [{"path": p, "why": w} for p, w in kept]}))
         return 0
     for p, r, b in victims:
-        print(f"{verb} {p} ({r}, {_size(b)})")
+        print(f"{verb} {p} ({r}, {human_bytes(b)})")
     for p, w in kept:
         print(f"kept {p}: {w}")
     for name in rings:
@@ -155,7 +148,7 @@ def cmd_gc(args):
     if not victims and not rings:
         print("nothing to remove")
     else:
-        print(f"{verb} {len(victims)} cache(s), {_size(sum(b for _, _, b in victims))}")
+        print(f"{verb} {len(victims)} cache(s), {human_bytes(sum(b for _, _, b in victims))}")
     return 0
 
 

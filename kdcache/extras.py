@@ -22,8 +22,15 @@ def missing(name):
 
 def require(name, what, error):
     """Import module `name` for `what` (the feature that needs it), or raise `error` (an exception class)
-    with one line naming the extra that installs it."""
+    with one line naming the extra that installs it: "not installed" when its package is absent, else the
+    import's own reason (a package that is there but breaks on import, as Ray beside pyarrow 26 does)."""
     try:
         return importlib.import_module(name)
-    except ImportError:
-        raise error(f"{what} needs {missing(name)}") from None
+    except ImportError as e:
+        top = name.partition(".")[0]
+        if isinstance(e, ModuleNotFoundError) and e.name == top:
+            raise error(f"{what} needs {missing(name)}") from None
+        dist, extra = EXTRAS[top]
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise error(f"{what} needs {dist}, which cannot be imported here ({reason}): pip install "
+                    f"'kdcache[{extra}]'") from None

@@ -17,15 +17,11 @@ from kdcache.cache_builder.fleet import FleetLock, Tally, TaskRunner, fill_round
 
 TASK_RETRIES = 5  # gives of one task to actors that died before the driver gives up on it
 STALL_S = 300.0   # seconds with tasks owed and no actor able to take one before the driver gives up
-EXTRA = "pip install 'kdcache[ray]'"
 
 
 def import_ray():
-    try:
-        import ray
-    except ImportError as e:
-        raise ProducerError(f"--engine ray needs Ray, which cannot be imported here ({e}): {EXTRA}") from None
-    return ray
+    from kdcache.extras import require
+    return require("ray", "--engine ray", ProducerError)
 
 
 class PartActor:

@@ -174,7 +174,7 @@ def reseal(path):
     the values themselves. Without it, the checksums name such a planted change first."""
     import h5py
     from kdcache.store import checksums, schema
-    from kdcache.store.housekeeping import final_spec
+    from kdcache.store.segment import final_spec
     from kdcache.store.paths import final_path
     fin = final_path(path)
     spec, _ = final_spec(fin, None)

@@ -173,7 +173,7 @@ class FleetLock:
 def prepare(path, spec):
     """The cache's parts folder, ready for parts (its manifest written); None when the cache is
     finished already (checked to be this spec's)."""
-    from kdcache.store.housekeeping import settle
+    from kdcache.store.settle import settle
     from kdcache.store.paths import final_path
     from kdcache.store.writer import check_final_matches, prepare_parts
     settle(path)

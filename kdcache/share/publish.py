@@ -9,7 +9,7 @@ from kdcache.args import Dir, Parser
 from kdcache.store import registry
 from kdcache.store.errors import StoreError
 from kdcache.store.fingerprint import is_fingerprint
-from kdcache.store.housekeeping import final_spec
+from kdcache.store.segment import final_spec
 from kdcache.store.osutil import NotOurs, open_regular
 from kdcache.store.paths import base_path, final_path, parts_path, path_for
 from kdcache.store.segment import open_final

@@ -23,7 +23,7 @@ import sys
 
 from kdcache.args import Dir, Float, Parser
 from kdcache.store.errors import NewerFormatError, StoreError
-from kdcache.store.housekeeping import locked, remote_holders, settle
+from kdcache.store.settle import locked, remote_holders, settle
 from kdcache.store.osutil import fsync_dir
 from kdcache.store.paths import parts_path, resolve_cache_dir
 from kdcache.store.segment import lock_holders

@@ -78,7 +78,7 @@ def _existing(path):
 
 def cmd_inspect(args):
     from . import checksums
-    from .housekeeping import final_spec, parts_spec
+    from .segment import final_spec, parts_spec
     from .segment import open_final
     from .verify import NO_CHECKSUMS
     base = _existing(args.path)

@@ -36,10 +36,10 @@ from .codec import make_codec
 from .compact import _is_full, free_space, reserve, space_needed
 from .errors import CacheNotFoundError, NoSpaceError, StoreError, WriterBusyError
 from .fingerprint import is_fingerprint
-from .housekeeping import final_spec, settle
+from .settle import settle
 from .osutil import exit_at_once
 from .paths import base_path, compact_tmp, discard, exists, final_path, parts_path, path_for, resolve_cache_dir
-from .segment import count_done, segment_bytes
+from .segment import count_done, final_spec, segment_bytes
 from .spec import CacheSpec
 
 BLOCK_BYTES = 64 << 20  # float32 logits decoded per block

@@ -8,9 +8,9 @@ from .errors import NewerFormatError, StoreError
 
 
 def _read_all(path, stage):
-    """What a reader reads of a finished file before its rows: every check store.housekeeping.final_spec
+    """What a reader reads of a finished file before its rows: every check store.segment.final_spec
     makes, every dataset's shape, type and attributes. `stage` records how far it got."""
-    from .housekeeping import final_spec
+    from .segment import final_spec
     from .segment import open_final
     with open_final(path) as f:
         stage["ours"] = schema.A_FORMAT in f.attrs  # an HDF5 file with kdcache's metadata: a cache, damaged or not

@@ -30,12 +30,12 @@ from . import checksums, items as item_records, schema
 from .errors import (CacheNotFoundError, DamagedRowsError, FingerprintMismatchError, NoSpaceError,
                      MissingTargetsError, ProducerGoneError)
 from .demand import publish, withdraw
-from .housekeeping import final_spec, parts_spec, settle
+from .settle import settle
 from .mapped import MapUnavailable, map_fields
 from .osutil import available_memory, warn_if_network
 from .registry import base_path, final_path, parts_path, touch_used
-from .segment import (committed_rows, list_segments, lock_holders, open_final, open_swmr, read_segment_items,
-                      read_segment_rows)
+from .segment import (committed_rows, final_spec, list_segments, lock_holders, open_final, open_swmr, parts_spec,
+                      read_segment_items, read_segment_rows)
 from .validate import check_committed, check_keys, check_scale, check_segment
 
 log = logging.getLogger("kdcache.store")

@@ -5,11 +5,12 @@ import time
 from . import schema, seal
 from .errors import DamagedFileError, NewerFormatError, NoSpaceError, StoreError
 from .fingerprint import is_fingerprint
-from .housekeeping import final_spec, last_write, locked, parts_spec, remove_stale, settle, stale_files
+from .settle import last_write, locked, settle
+from .stale import remove_stale, stale_files
 from .osutil import NotOurs, NotTrusted, listdir, own, read_regular, regular, skipped
 from .paths import (DEFAULT_DIR, ENV_DIR, OWN_PART, base_path, discard, exists, final_path, foreign_files,  # noqa: F401
                     parts_path, path_for, resolve_cache_dir)
-from .segment import count_done, lock_holders, open_final
+from .segment import count_done, final_spec, lock_holders, open_final, parts_spec
 from .verify import verify  # noqa: F401 (python -m kdcache.store verify)
 
 NOT_A_CACHE = "not a cache"

@@ -12,10 +12,11 @@ import h5py
 import numpy as np
 
 from . import probe, schema, seal
-from .errors import CacheChangedError, CacheNotFoundError, DamagedFileError, UnsupportedFormatError
+from .errors import CacheChangedError, CacheNotFoundError, DamagedFileError, StoreError, UnsupportedFormatError
 from .paths import PART
 from .osutil import NotOurs, check_trusted, is_ours, listdir, open_regular, read_regular, regular, skipped
-from .validate import check_committed, check_keys, check_segment, read_meta  # noqa: F401 (read_meta: re-exported)
+from .validate import (check_committed, check_final, check_keys, check_segment, read_meta,  # noqa: F401 (read_meta: re-exported)
+                       spec_from_meta)
 
 HOST = socket.gethostname()
 MANIFEST_LIMIT = 64 << 20  # a manifest is metadata: kilobytes; a larger file is not one kdcache wrote
@@ -362,3 +363,20 @@ def lock_holders(parts_dir, heartbeat_timeout=10.0):
         except FileNotFoundError:
             continue
     return out
+
+
+def final_spec(fin, name):
+    """The spec of a finished cache file after every check a reader makes (StoreError otherwise)."""
+    with open_final(fin) as f:
+        meta = read_meta(f, fin)
+        spec = spec_from_meta(meta, fin, name=name)
+        check_final(f, fin, spec)
+    return spec, meta
+
+
+def parts_spec(parts, name):
+    meta = read_manifest(parts)
+    if meta is None:
+        raise StoreError(f"{parts}: no manifest")
+    spec = spec_from_meta(meta, os.path.join(parts, schema.MANIFEST), name=name)
+    return spec, meta

@@ -6,7 +6,7 @@ import numpy as np
 
 from . import checksums, schema
 from .errors import DamagedFileError, StoreError, UnsupportedFormatError
-from .housekeeping import settle
+from .settle import settle
 from .paths import base_path, final_path, parts_path
 from .parts import PART, read_part
 from .segment import committed_rows, list_segments, open_final, open_swmr, read_manifest, read_segment_rows

@@ -22,9 +22,9 @@ from .errors import (BadInputError, FingerprintMismatchError, StoreError, Unsupp
                      WriterBusyError)
 from .fingerprint import is_fingerprint
 from .osutil import NotOurs, fs_error, open_regular, own, stderr_silenced
-from .housekeeping import final_spec, settle
+from .settle import settle
 from .paths import base_path, final_path, foreign_files, parts_path
-from .segment import (HOST, create_segment, quiet_h5py_dealloc_errors, read_manifest,
+from .segment import (HOST, create_segment, final_spec, quiet_h5py_dealloc_errors, read_manifest,
                       scan_done, write_json_atomic)
 
 

@@ -151,7 +151,7 @@ def cache_path(teacher: Union[str, Any], dataset: str, *, views: int = 1, augmen
     the teacher's files are hashed, as the producer does to name the cache)."""
     from kdcache.cache_builder.__main__ import parse_args
     from kdcache.pipeline.cachespec import spec_from_args
-    from kdcache.pipeline.checkpoint import TeacherOptions
+    from kdcache.pipeline.teacher_files import TeacherOptions
     from kdcache.store import path_for
     opts = dict(views=views, augment=augment, codec=codec, dtype=dtype, cache_dir=cache_dir, seed=seed, **options)
     name = _dataset_name(dataset)

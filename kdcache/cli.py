@@ -14,7 +14,7 @@ COMMANDS = {
     "verify": ("kdcache.store.__main__", "check a cache's schema, flags, values and completeness (--teacher: and its "
                                  "logits against the teacher, on sampled keys)"),
     "gc": ("kdcache.store.__main__", "remove incomplete, damaged or unused caches and stale shared-memory rings"),
-    "convert": ("kdcache.store.convert", "write a cache in another codec or dtype from a finished one, without the "
+    "convert": ("kdcache.store.derive.convert", "write a cache in another codec or dtype from a finished one, without the "
                                          "teacher (prints its path)"),
     "publish": ("kdcache.share.publish", "write a finished cache, its manifest.json and a README.md card to a folder or "
                                          "URL, for others to pull"),
@@ -27,7 +27,7 @@ STORE_COMMANDS = ("ls", "inspect", "verify", "gc")
 # points (kdcache.signals); the others as they come.
 DEFERRING = ("teacher", "cache", "train", "launch")
 # `kdcache verify PATH --teacher PREFIX` runs the teacher (MXNet), which the store never imports.
-TEACHER_VERIFY = "kdcache.cache_builder.verify"
+TEACHER_VERIFY = "kdcache.cache_builder.teacher_check"
 
 
 def teacher_verify(rest):

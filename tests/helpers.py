@@ -173,9 +173,9 @@ def reseal(path):
     wrong when compaction hashed them (a teacher's NaN, a bug upstream), for tests of the checks that look at
     the values themselves. Without it, the checksums name such a planted change first."""
     import h5py
-    from kdcache.store import checksums, schema
-    from kdcache.store.segment import final_spec
-    from kdcache.store.paths import final_path
+    from kdcache.store.format import checksums, schema
+    from kdcache.store.files.segment import final_spec
+    from kdcache.store.files.paths import final_path
     fin = final_path(path)
     spec, _ = final_spec(fin, None)
     with h5py.File(fin, "r+") as f:
@@ -191,8 +191,8 @@ def seal_again(path):
     exactly this file would have sealed. The tests of the checks behind the seal (metadata, structure,
     checksums) use it; without it the seal refuses every edit first (test_seal.py)."""
     import h5py
-    from kdcache.store import seal
-    from kdcache.store.segment import stored_rows
+    from kdcache.store.format import seal
+    from kdcache.store.files.segment import stored_rows
     with h5py.File(path, "r") as f:
         skip = stored_rows(f)
         assert f.userblock_size == seal.SEAL_BYTES, "only a file written with the seal's user block can be sealed"
@@ -207,7 +207,7 @@ def as_format_1(path):
     """Rewrite a finished cache file as kdcache wrote it before seals (format version 1): no user block, its
     attributes and datasets as they are (contiguous, in a fresh HDF5 file)."""
     import h5py
-    from kdcache.store import schema
+    from kdcache.store.format import schema
     tmp = path + ".v1"
     with h5py.File(path, "r") as src, h5py.File(tmp, "w") as out:
         for k, v in src.attrs.items():

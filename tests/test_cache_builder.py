@@ -82,7 +82,7 @@ def test_module_checkpoint_round_trip_gives_logits_not_softmax(teachers):
 
 
 def test_teacher_preprocessing_is_applied_and_part_of_the_identity(teachers):
-    from kdcache.pipeline.checkpoint import TeacherOptions
+    from kdcache.pipeline.teacher_files import TeacherOptions
     from kdcache.pipeline.teacher import load_teacher
     from kdcache.pipeline import load_dataset
     x, _ = load_dataset("digits").get_batch(np.arange(4))
@@ -99,7 +99,7 @@ def test_teacher_preprocessing_is_applied_and_part_of_the_identity(teachers):
 def test_bad_teacher_files(teachers, tmp_path, case, match):
     import shutil
     from kdcache.pipeline.teacher import Teacher
-    from kdcache.pipeline.checkpoint import TeacherError
+    from kdcache.pipeline.teacher_files import TeacherError
     p = str(tmp_path / "t")
     if case != "missing":
         shutil.copy(teachers["gluon"] + "-symbol.json", p + "-symbol.json")
@@ -125,7 +125,7 @@ def test_unusable_teacher_outputs_are_refused_and_nothing_is_cached(teachers, tm
     assert len(r.stderr.strip().splitlines()[-1]) > 20
     import re
     assert re.search(match, r.stderr), r.stderr
-    from kdcache.store.registry import cache_bases, info
+    from kdcache.store.folder.registry import cache_bases, info
     for b in cache_bases(str(tmp_path)):
         assert info(b)["done"] == 0.0
 
@@ -185,7 +185,7 @@ def test_online_writes_in_training_order(teachers, tmp_path):
     from kdcache.pipeline.teacher import Teacher
     from kdcache.pipeline import load_dataset
     from kdcache.pipeline.cachespec import build_spec
-    from kdcache.pipeline.checkpoint import teacher_identity
+    from kdcache.pipeline.teacher_files import teacher_identity
     from kdcache.pipeline.schedule import schedule
     from kdcache.store import CacheWriter, path_for
     ds = load_dataset("digits")

@@ -22,9 +22,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kdcache.store import CacheReader, CacheWriter, path_for, schema
+from kdcache.store import CacheReader, CacheWriter, path_for
+from kdcache.store.format import schema
 from kdcache.store import __main__ as store_main
-from kdcache.store.demand import Demand
+from kdcache.store.read.demand import Demand
 from kdcache.store.errors import StoreError
 from tests.conftest import ROOT
 from tests.helpers import CHILD_ENV, make_spec, produce

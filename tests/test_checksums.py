@@ -12,10 +12,11 @@ import h5py
 import numpy as np
 import pytest
 
-from kdcache.store import CacheReader, path_for, schema
-from kdcache.store import checksums
+from kdcache.store import CacheReader, path_for
+from kdcache.store.format import schema
+from kdcache.store.format import checksums
 from kdcache.store.errors import DamagedFileError, DamagedRowsError
-from kdcache.store.verify import verify
+from kdcache.store.folder.verify import verify
 from tests.helpers import CHILD_ENV, as_format_1, expected_logits, flip, make_spec, produce, seal_again
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

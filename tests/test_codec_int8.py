@@ -12,8 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kdcache.store import BadInputError, CacheReader, CacheSpec, CacheWriter, StoreError, make_codec, path_for, schema
-from kdcache.store.registry import final_path, parts_path, verify
+from kdcache.store import BadInputError, CacheReader, CacheSpec, CacheWriter, StoreError, make_codec, path_for
+from kdcache.store.format import schema
+from kdcache.store.folder.registry import final_path, parts_path, verify
 from tests.helpers import CHILD_ENV, expected_logits, make_spec, produce
 
 ENV = CHILD_ENV
@@ -190,7 +191,7 @@ def test_the_ring_streams_int8_rows():
 
 
 def test_verify_compares_every_decoded_class_with_the_teacher():
-    from kdcache.cache_builder.verify import compare_rows, rule
+    from kdcache.cache_builder.teacher_check import compare_rows, rule
     fresh = expected_logits(np.arange(64), 10).astype(np.float64)
     stored = make_codec("int8", 10).encode(fresh.astype(np.float32))
     diff, tol, top, want, agree, ok = compare_rows(stored, fresh, "int8", "float16")

@@ -9,10 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kdcache.store import CacheReader, CacheSpec, make_codec, schema
-from kdcache.store.codec import SAMPLED_FLOOR
+from kdcache.store import CacheReader, CacheSpec, make_codec
+from kdcache.store.format import schema
+from kdcache.store.format.codec import SAMPLED_FLOOR
 from kdcache.store.errors import DamagedRowsError
-from kdcache.store.registry import final_path
+from kdcache.store.folder.registry import final_path
 from tests.helpers import CHILD_ENV, ROOT, expected_logits, make_spec, produce
 
 
@@ -140,7 +141,7 @@ def test_the_command_line_takes_the_codec(tmp_path):
 def test_kdcache_convert_encodes_it_from_full_logits(tmp_path):
     """A full float32 cache converted to sampled:8 holds the rows a producer writing sampled:8 from the same
     teacher writes: the conversion goes through the codec's own encode, keyed the same way."""
-    from kdcache.store.convert import convert
+    from kdcache.store.derive.convert import convert
     full = make_spec(num_samples=120, num_classes=30, codec="full", dtype="float32")
     assert produce(str(tmp_path / "full"), full, seed=3)
     out = convert(str(tmp_path / "full"), "sampled:8", "float16", cache_dir=str(tmp_path / "conv"))
@@ -195,7 +196,7 @@ def test_kdcache_cache_and_verify_teacher_with_sampled(tmp_path):
     t = json.loads(r.stdout)["teacher_check"]
     assert t["match"] and t["codec"] == "sampled:8" and t["keys_checked"] == 1438 * 2
     assert "drawn again" in t["tolerance_rule"]
-    from kdcache.cache_builder.verify import compare_rows
+    from kdcache.cache_builder.teacher_check import compare_rows
     codec = make_codec("sampled:8", 10, seed=4)
     fresh = expected_logits(np.arange(30), 10)
     stored = codec.encode(fresh, keys=np.arange(30))

@@ -11,10 +11,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kdcache.store import CacheReader, CacheSpec, CacheWriter, path_for, schema
-from kdcache.store.codec import LOGTAIL_NONE, make_codec
+from kdcache.store import CacheReader, CacheSpec, CacheWriter, path_for
+from kdcache.store.format import schema
+from kdcache.store.format.codec import LOGTAIL_NONE, make_codec
 from kdcache.store.errors import UnsupportedFormatError
-from kdcache.store.fingerprint import fingerprint
+from kdcache.store.format.fingerprint import fingerprint
 from tests.conftest import ROOT
 from tests.helpers import seal_again
 

@@ -9,8 +9,9 @@ import h5py
 import numpy as np
 import pytest
 
-from kdcache.store import CacheReader, CacheWriter, path_for, schema
-from kdcache.store.convert import convert, target_spec
+from kdcache.store import CacheReader, CacheWriter, path_for
+from kdcache.store.format import schema
+from kdcache.store.derive.convert import convert, target_spec
 from kdcache.store.errors import DamagedRowsError, StoreError
 from tests.helpers import CHILD_ENV, expected_logits, make_spec, produce
 

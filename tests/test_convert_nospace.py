@@ -10,7 +10,7 @@ import sys
 import numpy as np
 
 from kdcache.store import CacheReader
-from kdcache.store.convert import convert
+from kdcache.store.derive.convert import convert
 from tests.helpers import CHILD_ENV, ROOT
 from tests.test_compact_nospace import fill, small_disk  # noqa: F401 (small_disk: the fixture)
 from tests.test_convert import built
@@ -19,7 +19,7 @@ from tests.test_convert import built
 # disk after it: the writer then meets the full disk inside HDF5.
 TOOL = """
 import sys
-import kdcache.store.convert as convert
+import kdcache.store.derive.convert as convert
 if sys.argv[1] == "racing":
     convert.reserve = lambda path, size: None
 sys.exit(convert.main(sys.argv[2:]))

@@ -187,7 +187,7 @@ def test_a_photo_swapped_for_a_fifo_after_loading_is_refused_where_it_is_decoded
 import os
 from kdcache.pipeline import DatasetError, load_dataset
 from kdcache.pipeline.augment import Augment
-from kdcache.pipeline.decode import Decoder
+from kdcache.pipeline.decode_workers import Decoder
 ds = load_dataset('imagefolder', data_root={str(tmp_path / 'd')!r})
 p = ds.items[3][0]
 os.unlink(p)

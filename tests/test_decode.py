@@ -51,7 +51,7 @@ def test_workers_make_the_in_process_images_bit_for_bit(photos, kind):
     make_views in this process byte for byte (rrc with flip: every key its own crop)."""
     from kdcache.pipeline.augment import Augment, make_views
     from kdcache.pipeline.datasets import load_dataset
-    from kdcache.pipeline.decode import Decoder
+    from kdcache.pipeline.decode_workers import Decoder
     root = photos / ("folder" if kind == "imagefolder" else "p.rec")
     ds = load_dataset(kind, data_root=str(root), image_size="40x40")
     aug = Augment.parse("rrc:8,flip")
@@ -90,7 +90,7 @@ def test_take_gives_the_images_and_which_are_finite_and_kept_batches_outlive_the
     read before its turn is a copy that outlives its slot being written again; a batch taken in its
     turn is the arena itself, read-only (valid until the next submit)."""
     from kdcache.pipeline.augment import Augment
-    from kdcache.pipeline.decode import SLOTS, Decoder
+    from kdcache.pipeline.decode_workers import SLOTS, Decoder
     ds, aug = Frames(), Augment.parse("flip")
     batches = [np.arange(a, min(a + 5, len(ds))) for a in range(0, len(ds), 5)]
     want = [aug.apply(ds.x[b], 3, b, 1) for b in batches]
@@ -111,7 +111,7 @@ def test_take_gives_the_images_and_which_are_finite_and_kept_batches_outlive_the
 def test_a_batch_too_large_for_a_slot_comes_whole_through_the_pipe(monkeypatch):
     """Chunks that do not fit their slot (SLOT_BYTES made small here) come through the pipe; the batch
     is whole and in order, whichever of its chunks fit."""
-    from kdcache.pipeline import decode
+    from kdcache.pipeline import decode_workers as decode
     from kdcache.pipeline.augment import Augment
     ds = Frames(nan=())
     row = ds.x[0].nbytes
@@ -137,7 +137,7 @@ def test_cache_with_workers_equals_cache_without(photos, tmp_path, mode):
 
 def test_default_workers_follow_the_cores_the_teacher_leaves(photos):
     from kdcache.pipeline.datasets import load_dataset
-    from kdcache.pipeline.decode import default_workers
+    from kdcache.pipeline.decode_workers import default_workers
     files = load_dataset("imagefolder", data_root=str(photos / "folder"), image_size="40x40")
     assert default_workers(files, 1, 2) == 1 and default_workers(files, 3, 8) == 5
     assert default_workers(files, 2, 2) == 0 and default_workers(files, 1, 4, producers=4) == 0
@@ -146,7 +146,7 @@ def test_default_workers_follow_the_cores_the_teacher_leaves(photos):
 
 def test_a_damaged_photo_in_a_worker_is_one_line_naming_it_and_rows_before_are_kept(photos, tmp_path):
     import shutil
-    from kdcache.store.registry import cache_bases, info
+    from kdcache.store.folder.registry import cache_bases, info
     shutil.copytree(photos, tmp_path / "p")
     from kdcache.pipeline.datasets import load_dataset
     items = load_dataset("imagefolder", data_root=str(tmp_path / "p" / "folder"), image_size="40x40").items

@@ -10,11 +10,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kdcache.store import CacheReader, CacheWriter, path_for, schema
-from kdcache.store.demand import Demand, demand_path, publish, withdraw
-from kdcache.store.paths import OWN_PART
-from kdcache.store.registry import final_path, parts_path
-from kdcache.store.segment import list_segments
+from kdcache.store import CacheReader, CacheWriter, path_for
+from kdcache.store.format import schema
+from kdcache.store.read.demand import Demand, demand_path, publish, withdraw
+from kdcache.store.files.paths import OWN_PART
+from kdcache.store.folder.registry import final_path, parts_path
+from kdcache.store.files.segment import list_segments
 from tests.helpers import make_spec
 
 

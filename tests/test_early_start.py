@@ -27,7 +27,7 @@ def held(teacher, cache_dir, *extra):
 
 def fingerprint(teacher):
     from kdcache.pipeline.cachespec import build_spec
-    from kdcache.pipeline.checkpoint import teacher_identity
+    from kdcache.pipeline.teacher_files import teacher_identity
     from kdcache.pipeline.datasets import load_dataset
     return build_spec(teacher_identity(teacher), load_dataset(DATA)).fingerprint
 
@@ -91,8 +91,8 @@ def _args(teacher, tmp_path, *extra):
 def test_the_producer_starts_before_the_plan_and_fills_the_cache_the_plan_names(teacher, tmp_path, monkeypatch):
     import kdcache.pipeline.datasets
     from kdcache import pipeline
-    from kdcache.trainer.plan import make_plan
-    from kdcache.trainer.producer import Targets
+    from kdcache.trainer.run_plan import make_plan
+    from kdcache.trainer.targets import Targets
 
     def no_data(*a, **k):
         raise AssertionError("the data set was loaded before the producer started")
@@ -111,7 +111,7 @@ def test_the_producer_starts_before_the_plan_and_fills_the_cache_the_plan_names(
 
 
 def test_a_held_producer_the_plan_does_not_need_is_ended_at_once(teacher, tmp_path):
-    from kdcache.trainer.producer import Targets
+    from kdcache.trainer.targets import Targets
     args = _args(teacher, tmp_path)
     for plan in (types.SimpleNamespace(complete=True, base=str(tmp_path / "c" / "x")), None):
         early = Targets.start(args, str(tmp_path / "runs" / "r"), 1, 2)
@@ -131,7 +131,7 @@ def test_a_ring_producer_that_exits_before_attaching_is_named_at_once(tmp_path):
     from kdcache.pipeline.schedule import schedule
     from kdcache.store.ring import RingReader, RingWriter
     from kdcache.trainer.errors import TrainError
-    from kdcache.trainer.producer import ring_targets
+    from kdcache.trainer.targets import ring_targets
     st = next(schedule(0, 1, 8, 4, 1))
     name = f"kdcache-ring-test-{os.getpid()}"
     log = tmp_path / "producer.log"
@@ -159,7 +159,7 @@ def test_the_reader_opens_as_soon_as_a_live_producer_creates_the_cache(tmp_path)
     import threading
     from kdcache.store import CacheWriter, path_for
     from tests.helpers import make_spec
-    from kdcache.trainer.producer import open_reader
+    from kdcache.trainer.targets import open_reader
     spec = make_spec(num_samples=64)
     base = path_for(str(tmp_path), spec.fingerprint)
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])

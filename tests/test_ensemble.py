@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kdcache.store import CacheReader, CacheSpec, CacheWriter, StoreError
-from kdcache.store.ensemble import EnsembleReader, Member, parse_members
+from kdcache.store.derive.ensemble import EnsembleReader, Member, parse_members
 from tests.helpers import CHILD_ENV, ROOT, expected_logits
 
 N, C = 200, 12

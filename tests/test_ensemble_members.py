@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kdcache.store import StoreError
-from kdcache.store.convert import convert
-from kdcache.store.ensemble import EnsembleReader, parse_members
+from kdcache.store.derive.convert import convert
+from kdcache.store.derive.ensemble import EnsembleReader, parse_members
 from kdcache.trainer.options import build_parser
 from tests.helpers import CHILD_ENV
 from tests.test_ensemble import N, TEACHERS, build

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from kdcache.store import CacheReader, CacheWriter, StoreError, UnsupportedFormatError, path_for
-from kdcache.store.registry import final_path, parts_path, verify
+from kdcache.store.folder.registry import final_path, parts_path, verify
 from tests.conftest import ROOT
 from tests.helpers import CHILD_ENV, expected_logits, gluon_teacher, make_spec, seal_again
 
@@ -225,7 +225,7 @@ def _start_trainer(tmp_path, teacher, *extra):
 
 
 def _producer_pid(tmp_path, timeout=120):
-    from kdcache.store.segment import lock_holders
+    from kdcache.store.files.segment import lock_holders
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for d in glob.glob(str(tmp_path / "caches" / "*.parts")):

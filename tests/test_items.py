@@ -1,4 +1,4 @@
-"""A user's own data set is checked item by item against the cache (store.items, trainer.itemcheck): a data
+"""A user's own data set is checked item by item against the cache (store.format.items, trainer.itemcheck): a data
 set of the same length with other items (another split) is refused naming the first item that differs,
 through SoftTargetDataset, SoftTargetIter (DataLoader workers too) and build_cache onto an existing cache."""
 import os
@@ -23,7 +23,7 @@ def item_records(images, labels):
 
 
 def known(records):
-    from kdcache.store.items import known as is_known
+    from kdcache.store.format.items import known as is_known
     return is_known(records)
 
 # A user's loader module, as `kdcache cache --dataset resplit:load` imports it: digits' train split drawn with
@@ -200,7 +200,7 @@ def test_damaged_item_records_are_refused_as_damage(tmp_path):
 
 
 def test_convert_carries_the_item_records(digits_cache, tmp_path):
-    from kdcache.store.convert import convert
+    from kdcache.store.derive.convert import convert
     out = convert(digits_cache, "topk:3", cache_dir=str(tmp_path))
     with kdcache.CacheReader(digits_cache) as a, kdcache.CacheReader(out["cache_path"]) as b:
         assert np.array_equal(a.items(np.arange(1438)), b.items(np.arange(1438)))

@@ -10,8 +10,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kdcache.store import BadInputError, CacheReader, path_for, schema
-from kdcache.store.registry import final_path, parts_path
+from kdcache.store import BadInputError, CacheReader, path_for
+from kdcache.store.format import schema
+from kdcache.store.folder.registry import final_path, parts_path
 from tests.helpers import expected_logits, make_spec, produce
 
 CODECS = [("full", "float16"), ("full", "float32"), ("topk:3", "float16"), ("topk:3", "float32"),
@@ -139,7 +140,7 @@ def test_a_segment_removed_after_the_reader_opened_it_is_still_read(cache_dir, b
     spec = make_spec(num_samples=300, num_classes=9, codec="full", dtype="float32")
     p = path_for(cache_dir, spec.fingerprint)
     from kdcache.store import CacheWriter
-    from kdcache.store.segment import list_segments
+    from kdcache.store.files.segment import list_segments
     w = CacheWriter(p, spec)
     w.write(np.arange(100), expected_logits(np.arange(100), 9))
     r = CacheReader(p, spec=spec, memory_budget=budget)

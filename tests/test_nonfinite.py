@@ -82,7 +82,7 @@ def test_a_teacher_giving_nan_is_refused_naming_the_keys_and_nothing_of_the_batc
     line = one_error_line(r)
     assert "NaN or Inf" in line and ("sample 135 view 0" in line or "sample 142 view 0" in line), line
     assert "their input images are finite" in line and "nothing of this batch was cached" in line, line
-    from kdcache.store.registry import cache_bases, info
+    from kdcache.store.folder.registry import cache_bases, info
     [base] = cache_bases(str(d))
     # Key-order blocks of 64 (of each shard's keys): every block before the one holding 135 (142 for
     # shard 0 of 2) is kept, nothing of that block or after it. (With shards, the first to fail stops
@@ -101,7 +101,7 @@ def test_nan_from_an_online_producer_is_refused_before_the_write(tmp_path):
     from kdcache.pipeline import load_dataset
     from kdcache.pipeline.augment import Augment
     from kdcache.pipeline.cachespec import build_spec
-    from kdcache.pipeline.checkpoint import TeacherError
+    from kdcache.pipeline.teacher_files import TeacherError
     from kdcache.store import CacheWriter
 
     class Teacher:  # Inf in row 5 of its third batch
@@ -138,7 +138,7 @@ def test_nan_images_are_refused_before_the_teacher_sees_them(world):
     line = one_error_line(r)
     assert "input images of a batch hold NaN or Inf" in line and "sample 0 view 0" in line, line
     assert "the augmentation nanaug:nan_images" in line and "nothing of this batch was cached" in line, line
-    from kdcache.store.registry import cache_bases, info
+    from kdcache.store.folder.registry import cache_bases, info
     assert all(info(b)["done"] == 0.0 for b in cache_bases(str(d)))
 
 
@@ -181,9 +181,10 @@ CODEC_FIELDS = [("full", "float16", "logits"), ("full", "float32", "logits"),
 @pytest.mark.parametrize("codec,dtype,field", CODEC_FIELDS)
 @pytest.mark.parametrize("value", [np.nan, -np.inf])
 def test_verify_names_the_first_key_holding_a_non_finite_value(cache_dir, codec, dtype, field, value):
-    from kdcache.store import path_for, schema
-    from kdcache.store.registry import final_path
-    from kdcache.store.verify import verify
+    from kdcache.store import path_for
+    from kdcache.store.format import schema
+    from kdcache.store.folder.registry import final_path
+    from kdcache.store.folder.verify import verify
     assert field in {schema.LOGITS, schema.TOPK_VALUES, schema.TOPK_LSE, schema.TOPK_LOGTAIL, schema.INT8_LO,
                      schema.INT8_SCALE}
     spec = make_spec(num_samples=300, views=2, codec=codec, dtype=dtype, tag=f"{codec}{dtype}{field}")
@@ -205,8 +206,8 @@ def test_verify_names_the_first_key_holding_a_non_finite_value(cache_dir, codec,
 
 def test_verify_names_a_non_finite_value_in_a_cache_in_progress(cache_dir):
     from kdcache.store import CacheWriter, path_for
-    from kdcache.store.segment import list_segments
-    from kdcache.store.verify import verify
+    from kdcache.store.files.segment import list_segments
+    from kdcache.store.folder.verify import verify
     spec = make_spec(num_samples=100, views=1)
     base = path_for(cache_dir, spec.fingerprint)
     with CacheWriter(base, spec) as w:
@@ -224,7 +225,7 @@ def test_verify_names_a_non_finite_value_in_a_cache_in_progress(cache_dir):
 
 def test_the_store_verify_command_reports_it_and_exits_1(cache_dir, tmp_path):
     from kdcache.store import path_for
-    from kdcache.store.registry import final_path
+    from kdcache.store.folder.registry import final_path
     spec = make_spec(num_samples=50)
     base = path_for(cache_dir, spec.fingerprint)
     assert produce(base, spec)
@@ -248,7 +249,7 @@ def constant_cache(cache_dir, n, *, rows=None, codec="full", tag="const"):
 
 @pytest.mark.parametrize("codec", ["full", "topk:3", "int8"])
 def test_a_cache_whose_every_row_is_the_same_is_suspect(cache_dir, tmp_path, codec):
-    from kdcache.store.verify import verify
+    from kdcache.store.folder.verify import verify
     base = constant_cache(cache_dir, 150, codec=codec, tag=codec)
     report, problems = verify(base, block_rows=64)
     assert problems == [] and len(report["suspect"]) == 1, report
@@ -265,7 +266,7 @@ def test_a_cache_whose_every_row_is_the_same_is_suspect(cache_dir, tmp_path, cod
 
 def test_committed_rows_all_the_same_are_suspect_and_one_other_row_is_not(cache_dir):
     from kdcache.store import CacheWriter, path_for
-    from kdcache.store.verify import verify
+    from kdcache.store.folder.verify import verify
     report, problems = verify(constant_cache(cache_dir, 150, rows=90, tag="partial"))
     assert any("incomplete" in p for p in problems)
     assert len(report["suspect"]) == 1 and "all 90 rows committed so far hold the same values" in report["suspect"][0]
@@ -368,7 +369,7 @@ def test_check_finite_names_the_cause_for_a_users_loop():
 
 def test_soft_target_iter_refuses_non_finite_targets(tmp_path):
     from kdcache.store import CacheReader
-    from kdcache.store.registry import final_path
+    from kdcache.store.folder.registry import final_path
     from tests.helpers import label_cache
     from kdcache.trainer import SoftTargetIter
     from kdcache.trainer.loss import NonFiniteError
@@ -384,7 +385,7 @@ def test_soft_target_iter_refuses_non_finite_targets(tmp_path):
 
 
 def test_soft_target_dataset_refuses_non_finite_targets(tmp_path):
-    from kdcache.store.registry import final_path
+    from kdcache.store.folder.registry import final_path
     from tests.helpers import label_cache
     from kdcache.trainer import SoftTargetDataset
     from kdcache.trainer.loss import NonFiniteError

@@ -70,7 +70,7 @@ shared_values = st.fixed_dictionaries({}, optional={
 def test_the_producer_the_trainer_starts_gets_every_shared_option(values):
     """Whatever the trainer is given, its child producer parses to the same shared values."""
     from kdcache.pipeline.options import SHARED
-    from kdcache.trainer.producer import producer_command
+    from kdcache.trainer.targets import producer_command
     producer, trainer = parsers()
     argv = [f"{k}={v}" for k, v in values.items()]
     args = trainer.parse_args(["--teacher", "t/teach:3", *argv])

@@ -13,8 +13,8 @@ import pytest
 import kdcache
 from kdcache.share import ShareError
 from kdcache.share.manifest import parse
-from kdcache.store import schema
-from kdcache.store.fingerprint import fingerprint
+from kdcache.store.format import schema
+from kdcache.store.format.fingerprint import fingerprint
 from tests.conftest import ROOT
 from tests.helpers import make_spec, seal_again
 from tests.share_helpers import (copy_publication, env, cli, finished, flip_byte, nothing_installed, one_line,

@@ -10,8 +10,9 @@ import h5py
 import numpy as np
 import pytest
 
-from kdcache.store import CacheWriter, path_for, resolve_cache_dir, schema
-from kdcache.store.registry import final_path, parts_path
+from kdcache.store import CacheWriter, path_for, resolve_cache_dir
+from kdcache.store.format import schema
+from kdcache.store.folder.registry import final_path, parts_path
 from tests.conftest import ROOT
 from tests.test_compact_crash import SMALL, after_every_tool, crash, small, store_cli, what_is_left  # noqa: F401
 from tests.helpers import expected_logits, make_spec, produce, seal_again

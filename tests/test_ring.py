@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kdcache.store.codec import make_codec
+from kdcache.store.format.codec import make_codec
 from kdcache.store.errors import (BadInputError, CacheNotFoundError, ConsumerGoneError, FingerprintMismatchError,
                           MissingTargetsError, ProducerGoneError, StoreError, UnsupportedFormatError,
                           WriterBusyError)

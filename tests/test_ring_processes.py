@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kdcache.store.codec import make_codec
+from kdcache.store.format.codec import make_codec
 from kdcache.store.errors import ConsumerGoneError, ProducerGoneError
 from kdcache.store.ring import RingReader, RingWriter, cleanup_stale
 from tests.test_ring import EXPECTED_SRC, expected, ring_name, seg  # noqa: F401 (ring_name: a fixture)

@@ -1,5 +1,5 @@
 """`sampled:K` through the shared-memory ring: each row's K draws are keyed by (seed, sample, view, epoch)
-(kdcache.store.codec.stream_keys). A ring carries every epoch anew, so every epoch draws new classes and
+(kdcache.store.format.codec.stream_keys). A ring carries every epoch anew, so every epoch draws new classes and
 another --seed draws others, while the same (seed, sample, view, epoch) draws the same classes whatever the
 batch it was written in. Before, the draws were keyed by the sample alone: the same classes every epoch,
 whatever --seed (the estimate's variance never averaged out over training)."""

@@ -86,7 +86,7 @@ def test_the_dataset_function_contract_as_stated_holds(tmp_path, monkeypatch):
 def command_flags():
     """{command: the flags its parser takes} for the commands that load a data set or a cache's inputs."""
     from kdcache.cache_builder.__main__ import PRODUCER
-    from kdcache.cache_builder.verify import build_parser
+    from kdcache.cache_builder.teacher_check import build_parser
     from kdcache.pipeline.options import SHARED
     from kdcache.trainer.make_teacher import TEACHER
     verify = build_parser()
@@ -101,10 +101,10 @@ REACHES = {
     "teacher": ["kdcache/trainer/make_teacher.py", "kdcache/pipeline/datasets.py", "kdcache/pipeline/images.py",
                 "kdcache/pipeline/dataset_base.py", "kdcache/pipeline/digests.py", "kdcache/pipeline/augment.py",
                 "kdcache/pipeline/cachespec.py"],
-    "verify": ["kdcache/cache_builder/verify.py", "kdcache/pipeline/images.py", "kdcache/pipeline/dataset_base.py",
+    "verify": ["kdcache/cache_builder/teacher_check.py", "kdcache/pipeline/images.py", "kdcache/pipeline/dataset_base.py",
                "kdcache/pipeline/digests.py"],
     "cache": ["kdcache/cache_builder/__main__.py", "kdcache/pipeline/datasets.py", "kdcache/pipeline/images.py",
-              "kdcache/pipeline/decode.py", "kdcache/pipeline/dataset_base.py", "kdcache/pipeline/digests.py",
+              "kdcache/pipeline/decode_workers.py", "kdcache/pipeline/dataset_base.py", "kdcache/pipeline/digests.py",
               "kdcache/pipeline/augment.py", "kdcache/pipeline/cachespec.py"],
 }
 ELSEWHERE = {
@@ -116,7 +116,7 @@ ELSEWHERE = {
     # images.py: "pass --num-classes" is RecordIO's, whose class count verify reads from the cache
     ("verify", "kdcache/pipeline/images.py", "--num-classes"),
     # verify's own record of a TinyViT option it follows, not advice
-    ("verify", "kdcache/cache_builder/verify.py", "--check-saved-logits"),
+    ("verify", "kdcache/cache_builder/teacher_check.py", "--check-saved-logits"),
 }
 
 

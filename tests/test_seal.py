@@ -1,8 +1,8 @@
-"""The seal of a finished cache (store.seal): no bit of a cache file outside its rows can hang, crash or
+"""The seal of a finished cache (store.format.seal): no bit of a cache file outside its rows can hang, crash or
 mislead a tool. Every bit outside the rows is flipped through the one door every tool opens a finished
 file by (segment.open_final); thousands of them through every tool, in a child process under a time
 limit; the HDF5 library is never handed a damaged sealed file. Files written before seals are read
-by a child process first (store.probe), so a damaged old file cannot take a tool down either."""
+by a child process first (store.files.probe), so a damaged old file cannot take a tool down either."""
 import json
 import os
 import re
@@ -14,9 +14,10 @@ import h5py
 import numpy as np
 import pytest
 
-from kdcache.store import CacheReader, path_for, schema, seal
+from kdcache.store import CacheReader, path_for
+from kdcache.store.format import schema, seal
 from kdcache.store.errors import DamagedFileError
-from kdcache.store.segment import open_final
+from kdcache.store.files.segment import open_final
 from tests.conftest import ROOT
 from tests.helpers import CHILD_ENV, as_format_1, flip, make_spec, produce
 
@@ -167,7 +168,7 @@ def test_a_renamed_checksum_table_cannot_switch_checking_off(tmp_path):
     seal_again(fin)
     with pytest.raises(DamagedFileError, match="without its checksums"):
         CacheReader(p)
-    from kdcache.store.verify import verify
+    from kdcache.store.folder.verify import verify
     assert "without its checksums" in verify(p)[1][0]
 
 
@@ -193,7 +194,7 @@ def test_an_unsealed_file_is_read_in_a_child_first_and_a_hang_there_is_one_line(
     p, spec = finished(tmp_path / "c", "full", "float16")
     fin = p + ".h5"
     as_format_1(fin)
-    from kdcache.store import probe
+    from kdcache.store.files import probe
     with CacheReader(p) as r:  # read through the child, then here
         assert r.spec.fingerprint == spec.fingerprint
     assert probe._seen, "the child's verdict is kept for the life of the process"
@@ -207,7 +208,7 @@ def test_an_unsealed_file_is_read_in_a_child_first_and_a_hang_there_is_one_line(
     took = time.monotonic() - t0
     assert 5.0 <= took < 15, took
     # the folder is listed past it: `kdcache ls` in a process of its own, its child's limit 5 s as above
-    ls = ("import sys; from kdcache.store import probe; probe.LIMIT_S = 5.0; from kdcache.cli import main; "
+    ls = ("import sys; from kdcache.store.files import probe; probe.LIMIT_S = 5.0; from kdcache.cli import main; "
           "sys.exit(main(sys.argv[1:]))")
     t0 = time.monotonic()
     r = subprocess.run([sys.executable, "-c", ls, "ls", "--cache-dir", str(tmp_path / "c")], capture_output=True,
@@ -228,5 +229,5 @@ def test_only_the_seal_check_opens_a_finished_file_with_hdf5():
                 for m in re.finditer(r"h5py\.File\(([^,)]*)(?:,\s*([^,)]*))?", text):
                     where = os.path.relpath(os.path.join(d, n), ROOT)
                     (creating if (m.group(2) or "").strip() == '"w"' else hits).append(where)
-    assert hits and set(hits) <= {"kdcache/store/segment.py"}, hits
-    assert set(creating) <= {"kdcache/store/segment.py", "kdcache/store/compact.py", "kdcache/store/parts.py"}, creating
+    assert hits and set(hits) <= {"kdcache/store/files/segment.py"}, hits
+    assert set(creating) <= {"kdcache/store/files/segment.py", "kdcache/store/build/compact.py", "kdcache/store/files/parts.py"}, creating

@@ -21,7 +21,7 @@ import h5py
 import numpy as np
 import pytest
 
-from kdcache.pipeline.children import before_exec
+from kdcache.pipeline.child_setup import before_exec
 from tests.helpers import CHILD_ENV, ROOT
 
 TORTURE = os.environ.get("KDCACHE_TORTURE") == "1"
@@ -36,7 +36,7 @@ NAMES = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
 def start(argv, cwd):
     """The command, its output in files (a pipe nobody reads could hold it). Started as kdcache
-    starts its own children (pipeline.children.before_exec): with SIGINT and SIGTERM blocked until
+    starts its own children (pipeline.child_setup.before_exec): with SIGINT and SIGTERM blocked until
     the command's first line takes them over, for the interpreter's own start-up (about 15 ms,
     before any of kdcache's code runs) would otherwise raise KeyboardInterrupt in the site module."""
     out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
@@ -231,7 +231,7 @@ for name in sys.argv[1].split(","):
     if name:
         signal.signal(getattr(signal, name), signal.SIG_IGN)
 from kdcache import signals
-from kdcache.pipeline.children import die_with_parent
+from kdcache.pipeline.child_setup import die_with_parent
 from kdcache.pipeline.interrupts import Interrupts
 signals.defer()
 def state():

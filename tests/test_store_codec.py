@@ -2,8 +2,9 @@
 import numpy as np
 import pytest
 
-from kdcache.store import CacheSpec, StoreError, fingerprint, make_codec, path_for, schema
-from kdcache.store.fingerprint import is_fingerprint
+from kdcache.store import CacheSpec, StoreError, make_codec, path_for
+from kdcache.store.format import fingerprint, schema
+from kdcache.store.format.fingerprint import is_fingerprint
 from tests.helpers import expected_logits, make_spec, reseal
 
 
@@ -108,7 +109,7 @@ def test_a_stored_class_index_past_the_class_count_is_named_as_damage_not_as_the
     import h5py
 
     from kdcache.store import CacheReader, UnsupportedFormatError
-    from kdcache.store.verify import verify
+    from kdcache.store.folder.verify import verify
     from tests.helpers import produce
     spec = make_spec(num_samples=40, num_classes=10, codec="topk:3", dtype="float16")
     base = path_for(cache_dir, spec.fingerprint)

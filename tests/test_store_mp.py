@@ -10,8 +10,9 @@ import h5py
 import numpy as np
 import pytest
 
-from kdcache.store import CacheReader, ProducerGoneError, path_for, schema
-from kdcache.store.registry import final_path, parts_path, verify
+from kdcache.store import CacheReader, ProducerGoneError, path_for
+from kdcache.store.format import schema
+from kdcache.store.folder.registry import final_path, parts_path, verify
 from tests.conftest import ROOT
 from tests.helpers import expected_logits, make_spec, produce
 
@@ -113,7 +114,7 @@ def test_the_producer_lock_is_released_by_a_kill(cache_dir):
     p = path_for(cache_dir, spec.fingerprint)
     prod = helper("produce", "--path", p, "--batch", 10, "--delay", 0.05, *spec_args(spec))
     deadline = time.monotonic() + 30
-    from kdcache.store.segment import lock_holders
+    from kdcache.store.files.segment import lock_holders
     while not lock_holders(parts_path(p)):
         assert time.monotonic() < deadline and prod.poll() is None
         time.sleep(0.05)

@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, example, given, settings, strategies as st
 
-from kdcache.store import CacheReader, CacheWriter, FingerprintMismatchError, UnsupportedFormatError, path_for, schema
-from kdcache.store.spec import CacheSpec
+from kdcache.store import CacheReader, CacheWriter, FingerprintMismatchError, UnsupportedFormatError, path_for
+from kdcache.store.format import schema
+from kdcache.store.format.spec import CacheSpec
 from tests.conftest import ROOT
 from tests.helpers import expected_logits, make_spec, produce, seal_again
 

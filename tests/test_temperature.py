@@ -76,7 +76,7 @@ def test_the_module_api_and_an_ensemble_member_take_the_same_range(tmp_path):
     import mxnet as mx
     from kdcache import kd_symbol
     from kdcache.store import StoreError
-    from kdcache.store.ensemble import parse_members
+    from kdcache.store.derive.ensemble import parse_members
     with pytest.raises(ValueError, match="from 0.01 to 1000"):
         kd_symbol(mx.sym.var("x"), temperature=1e-300)
     assert kd_symbol(mx.sym.var("x"), temperature=4) is not None

@@ -225,7 +225,7 @@ def test_a_producer_that_dies_ends_training_with_a_clear_error(teacher, tmp_path
             "--cache-dir", str(tmp_path / "caches"), "--run", "victim"]
     p = subprocess.Popen([sys.executable, "-m", "kdcache.trainer", *map(str, args)], env=ENV, cwd=ROOT,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    from kdcache.store.segment import lock_holders
+    from kdcache.store.files.segment import lock_holders
     deadline = time.monotonic() + 120
     holders = []
     while not holders and time.monotonic() < deadline:
@@ -305,8 +305,8 @@ def test_the_producer_starts_before_the_trainer_imports_mxnet(teacher, tmp_path,
     code = f"""
 import glob, os, sys, time
 from kdcache.trainer.options import parse_args
-from kdcache.trainer.plan import make_plan
-from kdcache.trainer.producer import Targets
+from kdcache.trainer.run_plan import make_plan
+from kdcache.trainer.targets import Targets
 args = parse_args(["--teacher", {teacher!r}, "--store", {store!r}, "--run", "early",
                    "--runs-dir", {str(tmp_path / "runs")!r}, "--cache-dir", {str(tmp_path / "c")!r}])
 args.run_name = args.run

@@ -128,7 +128,7 @@ def test_a_bad_sample_is_refused_in_one_line(tmp_path, value):
 
 def test_ties_within_tolerance_count_as_agreement():
     """topk: the stored top-1 may be either of two classes the teacher ties; another class may not."""
-    from kdcache.cache_builder.verify import compare_rows
+    from kdcache.cache_builder.teacher_check import compare_rows
     fresh = np.array([[3.0, 3.0, 1.0, -2.0], [3.0, 3.0, 1.0, -2.0]], np.float32)
     stored = {"topk_values": np.array([[3.0, 3.0], [3.0, 1.0]], np.float16),
               "topk_indices": np.array([[1, 0], [1, 2]], np.uint16),

@@ -20,8 +20,8 @@ from bench.read_scale.sections import evict, read_through  # noqa: E402
 from bench.store.gather import timed_rounds  # noqa: E402
 from kdcache.args import Int, Option  # noqa: E402
 from kdcache.store import CacheReader, CacheSpec, CacheWriter, path_for  # noqa: E402
-from kdcache.store import checksums, schema  # noqa: E402
-from kdcache.store.verify import verify  # noqa: E402
+from kdcache.store.format import checksums, schema  # noqa: E402
+from kdcache.store.folder.verify import verify  # noqa: E402
 
 DEFAULT_OUT = os.path.join("bench", "results", "checksums.json")
 IMAGENET = 1_281_167

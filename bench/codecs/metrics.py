@@ -2,7 +2,7 @@
 and the synthetic 1000-class case's teacher (the generator's own posterior, as an MXNet checkpoint)."""
 import numpy as np
 
-from kdcache.store.codec import log_tail_mass
+from kdcache.store.format.codec import log_tail_mass
 
 TEMPERATURES = (1, 4, 20)
 CHUNK = 2048  # rows at a time: 1000 classes in float64 stay small

@@ -64,7 +64,7 @@ def teacher_alone(prefix, batches):
     producer's rows/s is: after a forward of 2 samples (its fit check), over every batch, the first (which
     binds the executor for the batch's shape) included."""
     import time
-    from kdcache.pipeline.checkpoint import TeacherOptions
+    from kdcache.pipeline.teacher_files import TeacherOptions
     from kdcache.pipeline.teacher import load_teacher
     t = load_teacher(TeacherOptions(prefix=prefix, epoch=0), BATCH)
     x = np.random.default_rng(0).uniform(0, 1, (BATCH, 3, 224, 224)).astype(np.float32)

@@ -6,7 +6,7 @@ A full run takes about 10 min on 2 idle cores, --quick about 1 min.
 
 A user's own Gluon loop reads a cache while a producer fills it: `gluon.data.DataLoader(SoftTargetDataset(...),
 batch_size=64, ...)` and a small_cnn step. kdcache does not know a shuffled DataLoader's order; it learns it only
-from the readers (store.demand). Each scenario starts with a fresh cache, the trainer and the producer in separate
+from the readers (store.read.demand). Each scenario starts with a fresh cache, the trainer and the producer in separate
 processes with one core each (OMP_NUM_THREADS=1), the same teacher and data:
   key_order         (a) the offline producer ignoring demand (produce_offline(demand=False)), DataLoader(shuffle=True)
   demand_wait       (b) the offline producer serving demand, DataLoader(shuffle=True): the reader publishes the keys

@@ -123,7 +123,7 @@ def child_produce(a):
     import kdcache.cache_builder.produce as produce
     from kdcache.cache_builder.__main__ import parse_args as producer_args
     from kdcache.pipeline.cachespec import spec_from_args
-    from kdcache.pipeline.checkpoint import TeacherOptions
+    from kdcache.pipeline.teacher_files import TeacherOptions
     from kdcache.pipeline.datasets import load_dataset
     from kdcache.pipeline.teacher import check_fits, load_teacher
     from kdcache.store import CacheWriter

@@ -3,7 +3,7 @@
 A cache whose keys are all published as parts can be finished two ways:
 
 * compaction (what kdcache does): every part checked, then its rows copied in key order into one contiguous
-  `P.h5` (store.compact.finalize), which a reader maps at once (store.mapped) and gathers a batch from in
+  `P.h5` (store.build.compact.finalize), which a reader maps at once (store.read.mapped) and gathers a batch from in
   one numpy indexing;
 * a part index (measured here only): every part checked, then an index written (which part and row holds each
   key, where each part's fields start in its file); a reader maps every part (parts keep their codec fields
@@ -33,8 +33,8 @@ class PartIndex:
     def build(parts_dir, spec):
         """Write `parts_dir/index.npz`: per key its part and row; per part its name and each field's offset."""
         import h5py
-        from kdcache.store import schema
-        from kdcache.store.parts import list_parts
+        from kdcache.store.format import schema
+        from kdcache.store.files.parts import list_parts
         nk = spec.num_keys
         loc_part = np.full(nk, -1, dtype=np.int32)
         loc_row = np.zeros(nk, dtype=np.int32)
@@ -115,7 +115,7 @@ def epoch(get, nk, seed):
 
 def write_parts(parts_dir, spec, block, rng):
     """Every key's part, written where published parts sit (publishing is section 3's figure)."""
-    from kdcache.store.parts import part_name, write_part
+    from kdcache.store.files.parts import part_name, write_part
     codec = spec.make_codec()
     t0 = time.perf_counter()
     for a in range(0, spec.num_keys, block):
@@ -128,10 +128,10 @@ def write_parts(parts_dir, spec, block, rng):
 def finishes(root, rows, classes, block):
     """Both finishes from the same parts; {"part_index": {...}, "compaction": {...}, ...}."""
     from kdcache.store import CacheReader, CacheSpec
-    from kdcache.store.compact import finalize
-    from kdcache.store.parts import check_parts, list_parts
-    from kdcache.store.registry import final_path
-    from kdcache.store.writer import prepare_parts
+    from kdcache.store.build.compact import finalize
+    from kdcache.store.files.parts import check_parts, list_parts
+    from kdcache.store.folder.registry import final_path
+    from kdcache.store.build.writer import prepare_parts
     spec = CacheSpec(num_samples=rows, num_classes=classes, views=1, codec="full", dtype="float16",
                      inputs={"teacher": {"name": "bench.fleet.finish", "digest": "0" * 16},
                              "dataset": {"name": "synthetic", "length": rows}})

@@ -85,7 +85,7 @@ def test_split_cache(prefix, dataset_arg, cache_dir):
     Copied into each fresh cache directory before a run; otherwise the trainer would start a second
     producer for it, a third MXNet process on two cores, while it trains."""
     from kdcache.pipeline.cachespec import build_spec
-    from kdcache.pipeline.checkpoint import teacher_identity
+    from kdcache.pipeline.teacher_files import teacher_identity
     from kdcache.pipeline.datasets import load_dataset
     from kdcache.pipeline.teacher import Teacher
     from kdcache.store import CacheWriter, path_for

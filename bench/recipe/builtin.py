@@ -42,7 +42,7 @@ def check_fashion(ap, args, root):
                  f"`{FASHION_INSTALL}` or pass --fashion-root DIR")
     if args.fashion_teacher is None or args.quick:
         return None if args.quick else fashion
-    from kdcache.pipeline.checkpoint import TeacherError, checkpoint_files, parse_teacher_arg
+    from kdcache.pipeline.teacher_files import TeacherError, checkpoint_files, parse_teacher_arg
     try:
         checkpoint_files(*parse_teacher_arg(args.fashion_teacher))
     except TeacherError as e:

@@ -12,5 +12,5 @@ Teachers: Gluon model-zoo networks with 1000 classes and random weights (speed d
 on the weights, and nothing is downloaded), forward only, one thread (OMP_NUM_THREADS=1, set
 before MXNet is imported, and checked: every OpenMP runtime at one thread, and the timed loop's
 CPU seconds over its wall seconds at most 1.1), batch 16 of 224x224 images, hybridized as the
-producer runs them. Bytes per row come from the store's own codecs (store.codec), not from a formula typed here.
+producer runs them. Bytes per row come from the store's own codecs (store.format.codec), not from a formula typed here.
 """

@@ -14,7 +14,7 @@ from bench.cli import out_option, quick_option  # noqa: E402
 from bench.flops import (Meter, cpu_id, cpu_text, gflops_table, gluon_symbol, invalid_lines,  # noqa: E402
     macs_per_image, measure_peak, one_thread, peak_line, teacher_figures)
 from kdcache.args import Float, Int, Option  # noqa: E402
-from kdcache.store.codec import make_codec  # noqa: E402
+from kdcache.store.format.codec import make_codec  # noqa: E402
 
 DEFAULT_OUT = os.path.join("bench", "results", "sizing.json")
 IMAGENET_TRAIN = 1_281_167

@@ -160,7 +160,7 @@ def main(argv=None, prog="python -m kdcache.cache_builder"):
              threads, cores, max(0, cores - threads), threads)
     from kdcache.store import StoreError
     from kdcache.pipeline.datasets import DatasetError
-    from kdcache.pipeline.checkpoint import TeacherError
+    from kdcache.pipeline.teacher_files import TeacherError
     try:
         return run(args, log)
     except (StoreError, DatasetError, TeacherError, ValueError) as e:
@@ -184,7 +184,7 @@ def write_timeline(path, timeline):
 
 def run(args, log):
     from kdcache.pipeline.cachespec import spec_from_args
-    from kdcache.pipeline.checkpoint import TeacherOptions
+    from kdcache.pipeline.teacher_files import TeacherOptions
     from kdcache.pipeline.datasets import load_dataset
     from kdcache.store import path_for
 
@@ -259,7 +259,7 @@ def await_cache(log, spec, stream=None):
     if fingerprint != spec.fingerprint:
         raise ValueError(f"--hold: the trainer names cache {fingerprint}, these options give {spec.fingerprint}: "
                          f"the two disagree on the teacher, the data set or the shared options; nothing written")
-    from kdcache.store.paths import base_path
+    from kdcache.store.files.paths import base_path
     return base_path(path)  # P, P.h5 or P.parts name the same cache: its base, as `fill` takes it
 
 
@@ -290,7 +290,7 @@ def run_shards(args, log, path, spec, result, t0, fill_shard):
     that no shard will write; running the same command again resumes every shard. A stop of the
     command (Ctrl-C, SIGTERM) stops every shard the same way before the command leaves."""
     from kdcache import signals
-    from kdcache.pipeline.children import die_with_parent
+    from kdcache.pipeline.child_setup import die_with_parent
     parent = os.getpid()
     children = {}
     results, errors, stopped, signalled = [], [], False, set()
@@ -368,7 +368,7 @@ def run_shards(args, log, path, spec, result, t0, fill_shard):
         raise ValueError("; ".join(f"shard {i}/{args.shards}: {o['error']}" for i, o in first)
                          + (f" (shard(s) {', '.join(map(str, sorted(rest)))} stopped with it)" if rest else "")
                          + ": every row written so far is kept; run the same command again to finish the cache")
-    from kdcache.store.registry import final_path
+    from kdcache.store.folder.registry import final_path
     complete = os.path.exists(final_path(path))
     result.update(shard=f"0..{args.shards - 1}/{args.shards}", complete=complete,
                   cache_path=final_path(path) if complete else path + ".parts",
@@ -382,7 +382,7 @@ def run_shards(args, log, path, spec, result, t0, fill_shard):
 
 def decode_workers(args, log, dataset):
     """--decode-workers, or its default for this data set and the cores the teachers leave (logged)."""
-    from kdcache.pipeline.decode import default_workers
+    from kdcache.pipeline.decode_workers import default_workers
     n = args.decode_workers
     if n is None:
         n = default_workers(dataset, getattr(args, "teacher_threads", 1), getattr(args, "cores", 1),
@@ -399,7 +399,7 @@ def fill(args, log, shard, path, spec, dataset, augment, topt, result, t0, timel
     from kdcache.pipeline.schedule import EpochDigests
     from kdcache.pipeline.teacher import check_fits, load_teacher
     from kdcache.store import CacheWriter, FingerprintMismatchError
-    from kdcache.store.registry import final_path
+    from kdcache.store.folder.registry import final_path
     args_shard = f"{shard[0]}/{shard[1]}"
     if teacher is None and not os.path.exists(final_path(path)):
         # The teacher must fit the data before anything is written: a mistake leaves no cache behind.
@@ -444,11 +444,11 @@ def fill(args, log, shard, path, spec, dataset, augment, topt, result, t0, timel
 
 def other_items(error, path, spec, dataset, block=256):
     """A cache at `path` (an explicit --cache) built for other inputs: when only the data set's content
-    differs and that cache records its items (store.items), the error names the first item that differs."""
+    differs and that cache records its items (store.format.items), the error names the first item that differs."""
     import numpy as np
     from kdcache.pipeline.digests import item_records
     from kdcache.store import CacheReader, StoreError
-    from kdcache.store.items import known
+    from kdcache.store.format.items import known
     try:
         with CacheReader(path, timeout=0) as other:
             theirs = dict(other.spec.inputs)

@@ -1,5 +1,5 @@
 """Many hosts: the producer's work as fixed tasks over the key space, each task's rows published as
-one immutable part (store.parts, NOTE [parts]).
+one immutable part (store.files.parts, NOTE [parts]).
 
 Task j owns the flat keys [j * B, (j + 1) * B) (B: --block-rows) and computes those still owed. Run
 by Ray actors (`--engine ray`: each holds the teacher, loaded once; Ray restarts an actor that
@@ -48,10 +48,10 @@ class TaskRunner:
         from kdcache.threads import fix_threads
         fix_threads(threads)  # before MXNet loads (in a Ray worker: nothing has loaded it yet)
         from kdcache.pipeline.cachespec import spec_from_args
-        from kdcache.pipeline.checkpoint import TeacherOptions
+        from kdcache.pipeline.teacher_files import TeacherOptions
         from kdcache.pipeline.datasets import load_dataset
         from kdcache.pipeline.teacher import check_fits, load_teacher
-        from kdcache.store.parts import host_identity
+        from kdcache.store.files.parts import host_identity
         self.args = args
         topt = TeacherOptions.from_args(args)
         self.dataset = load_dataset(args.dataset, data_root=args.data_root, split=args.split,
@@ -72,9 +72,9 @@ class TaskRunner:
     def run(self, a, b, keys):
         """Compute keys `keys` (owed, ascending, inside [a, b)), publish their part; a dict of what happened."""
         from kdcache.cache_builder.produce import teacher_rows
-        from kdcache.pipeline.decode import Decoder
-        from kdcache.store.parts import part_name, publish, write_part
-        from kdcache.store.paths import final_path
+        from kdcache.pipeline.decode_workers import Decoder
+        from kdcache.store.files.parts import part_name, publish, write_part
+        from kdcache.store.files.paths import final_path
         t0 = time.perf_counter()
         spec, bs = self.spec, self.args.batch_size
         keys = np.asarray(keys, dtype=np.int64)
@@ -141,7 +141,7 @@ class FleetLock:
     def __init__(self, parts_dir, every=1.0):
         import fcntl
         from kdcache.store.osutil import open_regular
-        from kdcache.store.segment import HOST
+        from kdcache.store.files.segment import HOST
         import re
         host = re.sub(r"[^A-Za-z0-9_.-]", "_", HOST)[:64] or "host"
         self.path = os.path.join(parts_dir, f"fleet-{host}-{os.getpid()}.lock")
@@ -173,9 +173,9 @@ class FleetLock:
 def prepare(path, spec):
     """The cache's parts folder, ready for parts (its manifest written); None when the cache is
     finished already (checked to be this spec's)."""
-    from kdcache.store.settle import settle
-    from kdcache.store.paths import final_path
-    from kdcache.store.writer import check_final_matches, prepare_parts
+    from kdcache.store.build.settle import settle
+    from kdcache.store.files.paths import final_path
+    from kdcache.store.build.writer import check_final_matches, prepare_parts
     settle(path)
     if os.path.lexists(final_path(path)):
         check_final_matches(final_path(path), spec)
@@ -184,15 +184,15 @@ def prepare(path, spec):
 
 
 def owed(parts_dir, spec):
-    from kdcache.store.segment import scan_done
+    from kdcache.store.files.segment import scan_done
     return scan_done(parts_dir, spec)
 
 
 def finish(path, spec, parts_dir):
     """Compact the cache when every key is covered: compaction checks every part first and sets a damaged
     one aside (its keys are owed again, NOTE [parts]). Returns (complete, {"damaged": [names set aside]})."""
-    from kdcache.store.compact import finalize
-    from kdcache.store.paths import final_path
+    from kdcache.store.build.compact import finalize
+    from kdcache.store.files.paths import final_path
     if os.path.exists(final_path(path)):
         return True, {"damaged": []}
     try:

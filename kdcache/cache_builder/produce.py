@@ -1,7 +1,7 @@
 """Producing: run the teacher over (sample, view) keys and stream the logits into the store.
 
 Offline fills every key of the cache in key order, serving first the keys readers wait for or
-announce (store.demand: a user's shuffled DataLoader, whose order kdcache does not know). Online follows the training schedule, so
+announce (store.read.demand: a user's shuffled DataLoader, whose order kdcache does not know). Online follows the training schedule, so
 keys are written in the order the trainer will read them, as far ahead as the store allows.
 """
 import collections
@@ -14,15 +14,15 @@ import numpy as np
 from tqdm import tqdm
 
 from kdcache.pipeline.augment import make_views
-from kdcache.pipeline.checkpoint import TeacherError
-from kdcache.pipeline.decode import PREFETCH, Decoder, finite_rows
+from kdcache.pipeline.teacher_files import TeacherError
+from kdcache.pipeline.decode_workers import PREFETCH, Decoder, finite_rows
 from kdcache.pipeline.teacher import NonFiniteOutputError
 from kdcache.cache_builder.errors import ProducerError
 from kdcache.pipeline.interrupts import Interrupts
 from kdcache.pipeline.schedule import schedule, steps_per_epoch
-from kdcache.store import registry
-from kdcache.store.demand import Demand
-from kdcache.store.schema import name_keys
+from kdcache.store.folder import registry
+from kdcache.store.read.demand import Demand
+from kdcache.store.format.schema import name_keys
 
 log = logging.getLogger("kdcache.producer")
 
@@ -46,7 +46,7 @@ class Stats:
 
 def teacher_rows(teacher, dataset, indices, views, *, seed, augment, images=None, finite=None):
     """Logits [B, C] of keys (indices, views): the same inputs the student will see (`images`: those
-    inputs, made already by a pipeline.decode.Decoder, and `finite`, its judgement of them per row).
+    inputs, made already by a pipeline.decode_workers.Decoder, and `finite`, its judgement of them per row).
 
     Every producer (offline, shards, online, ring) gets its rows here, so here a batch with a
     non-finite input image or teacher output is refused, naming its keys, before any of it is
@@ -87,7 +87,7 @@ def produce_offline(teacher, dataset, writer, *, seed, augment, batch_size, prog
                     decode_workers=0):
     """Fill every key this writer owes, in key order; with `demand`, the keys readers wait for or
     announce go first (polled between batches). `decode_workers` processes make the images of the
-    next blocks while the teacher runs this one (pipeline.decode; 0: in this process)."""
+    next blocks while the teacher runs this one (pipeline.decode_workers; 0: in this process)."""
     spec = writer.spec
     # Batches are fixed blocks of this shard's keys, whatever is already done: a batch is
     # committed whole, so a resumed run feeds the teacher exactly the batches an uninterrupted
@@ -190,7 +190,7 @@ def produce_online(teacher, dataset, sink, *, seed, augment, batch_size, epochs,
     reports one, is shown as the producer's lead in steps. `timeline`, a list, receives
     (unix time, schedule position, rows computed) after each step; `digests`, a
     pipeline.schedule.EpochDigests, the keys of each step followed. `decode_workers` processes make
-    the images of the next steps while the teacher runs this one (pipeline.decode; 0: in this process).
+    the images of the next steps while the teacher runs this one (pipeline.decode_workers; 0: in this process).
     """
     spec = sink.spec
     n = spec.num_samples

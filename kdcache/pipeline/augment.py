@@ -436,7 +436,7 @@ class UserAugment:
 
     def one(self, image, seed, index, view):
         """The augmented copy of one image for key (index, view)."""
-        from .pieces import USER_ERRORS, raised
+        from .user_code import USER_ERRORS, raised
         try:
             out = self.fn(image.copy(), key_rng(seed, index, view))
         except USER_ERRORS as e:
@@ -476,7 +476,7 @@ def as_augment(augment):
     if augment is None or isinstance(augment, (Augment, UserAugment)):
         return augment if augment is not None else Augment()
     if isinstance(augment, str):
-        from .pieces import is_piece, load_piece
+        from .user_code import is_piece, load_piece
         if is_piece(augment) and not is_builtin(augment):  # MODULE:FUNCTION, as on the command line
             return UserAugment(load_piece(augment, "--augment"), name=augment.strip())
         return Augment.parse(augment)

@@ -8,7 +8,7 @@ import os
 from kdcache.store import CacheSpec
 
 from .augment import Augment, UserAugment, is_builtin
-from .pieces import PieceError, is_piece, load_piece
+from .user_code import PieceError, is_piece, load_piece
 
 # Bump when the producer's output for the same inputs changes (it is part of every fingerprint).
 PRODUCER_VERSION = 1
@@ -69,7 +69,7 @@ def spec_from_args(args, dataset, teacher):
 
 
 def sources_from_args(args):
-    """Where the data set's files are and how they were resized, for a cache to record (store.schema.A_SOURCES):
+    """Where the data set's files are and how they were resized, for a cache to record (store.format.schema.A_SOURCES):
     `kdcache verify --teacher` reads the data again from there without asking. {} for built-in data."""
     root = getattr(args, "data_root", None)
     if not root:

@@ -16,7 +16,7 @@ from .dataset_base import ArrayDataset, DatasetError
 from .formats import load_cifar, load_mnist_like, load_npz
 from .images import ImageFolderDataset, RecordIODataset
 from .mnist5k import load_mnist5k
-from .pieces import UserDataset, is_piece
+from .user_code import UserDataset, is_piece
 
 
 # --- digits: the embedded default ------------------------------------------------------------
@@ -100,7 +100,7 @@ def _size(s):
 def load_dataset(name, *, data_root=None, split="train", image_size=None, num_classes=None):
     """A data set by name: digits | mnist5k | synthetic[:n=..,classes=..,shape=CxHxW,seed=..] | mnist |
     fashion-mnist | cifar10 | cifar100 (files under data_root) | npz | recordio (a file) | imagefolder (a dir) |
-    MODULE:FUNCTION (the user's own, pipeline.pieces)."""
+    MODULE:FUNCTION (the user's own, pipeline.user_code)."""
     if split not in ("train", "test"):
         raise DatasetError(f"split {split!r}: use train or test")
     if is_piece(name):

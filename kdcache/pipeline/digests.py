@@ -213,7 +213,7 @@ def files_digest(files, *, desc="digest", fix=READ_FIX):
 
 # --- a data set's items, one by one -----------------------------------------------------------
 # NOTE [item digests]
-# What a cache records of each item of its data set (store.items) and what SoftTargetDataset and
+# What a cache records of each item of its data set (store.format.items) and what SoftTargetDataset and
 # SoftTargetIter compare a user's own data set with: the item's image as float32 values (the teacher's
 # input before any augmentation: kdcache's keyed views are made from (seed, index, view), so they are
 # no part of the item) with its shape, and its label. float32 values, not the bytes as stored: a uint8
@@ -231,9 +231,9 @@ def item_digest(image):
 
 
 def item_records(images, labels):
-    """store.schema.ITEM_DTYPE [B]: each item's digest (item_digest) and label, of a batch of images
+    """store.format.schema.ITEM_DTYPE [B]: each item's digest (item_digest) and label, of a batch of images
     [B, ...] and labels [B]."""
-    from kdcache.store.schema import ITEM_DTYPE
+    from kdcache.store.format.schema import ITEM_DTYPE
     labels = np.asarray(labels).reshape(-1)
     out = np.empty(len(labels), dtype=ITEM_DTYPE)
     for i in range(len(labels)):

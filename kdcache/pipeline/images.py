@@ -160,7 +160,7 @@ class DecodedDataset(Dataset):
     """Images decoded by MXNet on demand, resized to `size`; the file handle opens lazily per
     process (as MXRecordIO does after a fork)."""
 
-    decodes = True  # costly per image: the producer makes its images in decode workers (pipeline.decode)
+    decodes = True  # costly per image: the producer makes its images in decode workers (pipeline.decode_workers)
 
     def __init__(self, name, split, n, labels, num_classes, size, params):
         self.name, self.split = name, split

@@ -46,7 +46,7 @@ class AugmentSpec(Allowed):
 
     def __call__(self, s):
         from .augment import is_builtin
-        from .pieces import is_piece
+        from .user_code import is_piece
         if is_piece(str(s)) and not is_builtin(s):
             return str(s).strip()  # MODULE:FUNCTION(image, rng), loaded (and checked) with the data
         v = str(s).strip().lower()
@@ -71,7 +71,7 @@ class DatasetSpec(Allowed):
 
     def __call__(self, s):
         from .datasets import DATASETS, DatasetError, parse_synthetic
-        from .pieces import is_piece
+        from .user_code import is_piece
         v = str(s).strip()
         if is_piece(v):
             return v  # MODULE:FUNCTION, loaded (and checked) with the data
@@ -100,7 +100,7 @@ class CachePath(Allowed):
     """A cache's path: P, P.h5 or P.parts (not a folder of its own)."""
 
     def __call__(self, s):
-        from kdcache.store.paths import base_path  # the store's own reading of P, P.h5 and P.parts
+        from kdcache.store.files.paths import base_path  # the store's own reading of P, P.h5 and P.parts
         if str(s).strip() == "auto":
             return None
         v = base_path(str(s).strip())
@@ -204,7 +204,7 @@ def shared_argv(args, **values):
 def resolve_teacher(args, parser=None):
     """--teacher, or the data set's default teacher; the checkpoint's files must be there and readable.
     Sets args.teacher; errors go through parser.error (one line, exit 2) when a parser is given."""
-    from .checkpoint import TeacherError, checkpoint_files, parse_teacher_arg
+    from .teacher_files import TeacherError, checkpoint_files, parse_teacher_arg
     teacher = args.teacher
     try:
         if teacher is None:
@@ -240,7 +240,7 @@ def check_applies(args, parser):
 def check_data_applies(args, parser):
     """--data-root, --image-size or --num-classes where the data set would ignore it: a mistake, not a
     silent no-op (every command that loads a data set: cache, train, teacher)."""
-    from .pieces import is_piece
+    from .user_code import is_piece
     base = "MODULE:FUNCTION" if is_piece(args.dataset) else args.dataset.split(":", 1)[0].lower()
     for dest, flag, where, fix in (
             ("data_root", "--data-root", ("mnist", "fashion-mnist", "cifar10", "cifar100", "npz", "recordio",

@@ -8,7 +8,7 @@ import re
 
 import numpy as np
 
-from .checkpoint import TeacherError, checkpoint_files
+from .teacher_files import TeacherError, checkpoint_files
 
 
 class NonFiniteOutputError(TeacherError):
@@ -172,7 +172,7 @@ def check_fits(teacher, dataset, augment=None, seed=0):
 
 
 def load_teacher(topt, batch_size):
-    """The runnable teacher a pipeline.checkpoint.TeacherOptions names (imports MXNet)."""
+    """The runnable teacher a pipeline.teacher_files.TeacherOptions names (imports MXNet)."""
     return Teacher(topt.prefix, topt.epoch, input_name=topt.input_name, mean=topt.mean, std=topt.std,
                    size=topt.size, batch_size=batch_size)
 

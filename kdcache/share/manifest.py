@@ -18,9 +18,9 @@ import json
 import re
 
 from kdcache.args import human_bytes
-from kdcache.store import schema
+from kdcache.store.format import schema
 from kdcache.store.errors import NewerFormatError, StoreError
-from kdcache.store.fingerprint import fingerprint, is_fingerprint
+from kdcache.store.format.fingerprint import fingerprint, is_fingerprint
 
 MANIFEST = "manifest.json"
 CARD = "README.md"

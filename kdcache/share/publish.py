@@ -6,13 +6,13 @@ import os
 import sys
 
 from kdcache.args import Dir, Parser
-from kdcache.store import registry
+from kdcache.store.folder import registry
 from kdcache.store.errors import StoreError
-from kdcache.store.fingerprint import is_fingerprint
-from kdcache.store.segment import final_spec
+from kdcache.store.format.fingerprint import is_fingerprint
+from kdcache.store.files.segment import final_spec
 from kdcache.store.osutil import NotOurs, open_regular
-from kdcache.store.paths import base_path, final_path, parts_path, path_for
-from kdcache.store.segment import open_final
+from kdcache.store.files.paths import base_path, final_path, parts_path, path_for
+from kdcache.store.files.segment import open_final
 
 from . import manifest as M
 from .remote import CHUNK, Flusher, place
@@ -40,8 +40,8 @@ def find_cache(cache, cache_dir=None):
 
 def check_finished(base):
     """The finished cache at `base` must be complete and sound (kdcache verify): (spec, meta, checksums text)."""
-    from kdcache.store.checksums import load
-    from kdcache.store.verify import NO_CHECKSUMS, verify
+    from kdcache.store.format.checksums import load
+    from kdcache.store.folder.verify import NO_CHECKSUMS, verify
     entry = registry.info(base)
     state = entry["state"]
     if state in BUILDING:
@@ -65,8 +65,8 @@ def check_finished(base):
 def teacher_accuracy(teacher, spec):
     """The teacher's test accuracy as `kdcache teacher` recorded it (PREFIX-info.json), for the card: only when
     PREFIX's files are the ones the cache's fingerprint records ({"test_acc", "on", "from"})."""
-    from kdcache.pipeline.checkpoint import TeacherError, checkpoint_files, parse_teacher_arg
-    from kdcache.store.fingerprint import file_digest
+    from kdcache.pipeline.teacher_files import TeacherError, checkpoint_files, parse_teacher_arg
+    from kdcache.store.format.fingerprint import file_digest
     recorded = spec.inputs.get("teacher") if isinstance(spec.inputs.get("teacher"), dict) else {}
     prefix, epoch = parse_teacher_arg(teacher)
     try:

@@ -23,15 +23,15 @@ import sys
 
 from kdcache.args import Dir, Float, Parser
 from kdcache.store.errors import NewerFormatError, StoreError
-from kdcache.store.settle import locked, remote_holders, settle
+from kdcache.store.build.settle import locked, remote_holders, settle
 from kdcache.store.osutil import fsync_dir
-from kdcache.store.paths import parts_path, resolve_cache_dir
-from kdcache.store.segment import lock_holders
+from kdcache.store.files.paths import parts_path, resolve_cache_dir
+from kdcache.store.files.segment import lock_holders
 
 from . import manifest as M
 from .remote import Flusher, failure, place
 
-STAGE_PREFIX = ".pull-"  # kdcache.store.paths.PULL_STAGE: gc removes a staging folder no pull holds
+STAGE_PREFIX = ".pull-"  # kdcache.store.files.paths.PULL_STAGE: gc removes a staging folder no pull holds
 LOCK = "lock"
 PART = ".part"
 
@@ -199,7 +199,7 @@ def check_cache(staged, fp):
     """The cache's own checks (its seal, metadata and fingerprint against its name, the done flags, every chunk's
     checksum), after its sha256 matched. Its values were scanned by the publisher's verify; the same bytes hold
     the same values, so they are not scanned again here."""
-    from kdcache.store.verify import verify
+    from kdcache.store.folder.verify import verify
     try:
         report, problems = verify(staged, values=False)
     except NewerFormatError as e:

@@ -2,17 +2,17 @@
 
 Imports no deep-learning framework: any program with numpy and h5py can read a cache.
 """
-from .codec import make_codec
+from .format.codec import make_codec
 from .errors import (BadInputError, CacheNotFoundError, ConsumerGoneError, DamagedFileError, FingerprintMismatchError,
                      MissingTargetsError, ProducerGoneError, StoreError, UnsupportedFormatError,
                      WriterBusyError)
-from .fingerprint import file_digest, fingerprint
-from .reader import CacheReader
-from .ensemble import EnsembleReader
-from .registry import path_for, resolve_cache_dir
-from .schema import FORMAT_VERSION
-from .spec import CacheSpec
-from .writer import CacheWriter, finalize
+from .format.fingerprint import file_digest, fingerprint
+from .read.reader import CacheReader
+from .derive.ensemble import EnsembleReader
+from .folder.registry import path_for, resolve_cache_dir
+from .format.schema import FORMAT_VERSION
+from .format.spec import CacheSpec
+from .build.writer import CacheWriter, finalize
 
 __all__ = ["CacheSpec", "CacheWriter", "CacheReader", "EnsembleReader", "finalize", "make_codec", "fingerprint",
            "file_digest", "path_for", "resolve_cache_dir", "FORMAT_VERSION", "StoreError",

@@ -7,7 +7,7 @@ import sys
 
 from kdcache.args import ByteSize, Dir, Float, Parser, human_bytes
 
-from . import registry
+from .folder import registry
 from .errors import StoreError
 
 
@@ -77,10 +77,10 @@ def _existing(path):
 
 
 def cmd_inspect(args):
-    from . import checksums
-    from .segment import final_spec, parts_spec
-    from .segment import open_final
-    from .verify import NO_CHECKSUMS
+    from .format import checksums
+    from .files.segment import final_spec, parts_spec
+    from .files.segment import open_final
+    from .folder.verify import NO_CHECKSUMS
     base = _existing(args.path)
     fin, parts = registry.final_path(base), registry.parts_path(base)
     entry = registry.info(base)
@@ -116,7 +116,7 @@ def cmd_verify(args):
     if args.json:
         print(json.dumps(report, indent=1, default=str))
     else:
-        from .verify import verdict
+        from .folder.verify import verdict
         print(f"{report['path']}: {verdict(report)}")
         for p in problems + report["suspect"]:
             print(f"  - {p}")

@@ -19,7 +19,7 @@ class UnsupportedFormatError(StoreError):
 
 class DamagedFileError(UnsupportedFormatError):
     """A kdcache file that changed after it was written: its seal or its structure does not match
-    (store.seal). `kdcache verify` reports it NOT sound; `gc` removes it as damaged. `ours`: known to be
+    (store.format.seal). `kdcache verify` reports it NOT sound; `gc` removes it as damaged. `ours`: known to be
     kdcache's (sealed, or its kdcache metadata was read); False for an unsealed file no one could read."""
 
     def __init__(self, message, *, ours=True):

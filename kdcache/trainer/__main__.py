@@ -82,12 +82,12 @@ def train_main(argv=None, prog="python -m kdcache.trainer"):
         else None
     if note:
         logging.getLogger("kdcache.trainer").warning(note)
-    from kdcache.pipeline.checkpoint import TeacherError
+    from kdcache.pipeline.teacher_files import TeacherError
     from kdcache.pipeline.datasets import DatasetError
     from kdcache.store import StoreError
     from kdcache.trainer.errors import TrainError
-    from kdcache.trainer.plan import MXNET_DATASETS, make_plan
-    from kdcache.trainer.producer import Targets, split_threads
+    from kdcache.trainer.run_plan import MXNET_DATASETS, make_plan
+    from kdcache.trainer.targets import Targets, split_threads
     from kdcache.threads import fix_threads
     targets = state = None
     try:
@@ -103,7 +103,7 @@ def train_main(argv=None, prog="python -m kdcache.trainer"):
             Targets.start(args, run_dir, split_threads(args, cores, None), cores)
         # The data, the teacher's identity and the cache's fingerprint, once; for data sets MXNet
         # decodes, after the threads are fixed.
-        from kdcache.pipeline.pieces import is_piece  # a user's MODULE may import MXNet: after the threads too
+        from kdcache.pipeline.user_code import is_piece  # a user's MODULE may import MXNet: after the threads too
         mxnet_data = args.dataset.split(":")[0] in MXNET_DATASETS or is_piece(args.dataset)
         plan = None if mxnet_data else make_plan(args)
         threads = split_threads(args, cores, plan)

@@ -18,7 +18,7 @@ import numpy as np
 
 from kdcache.pipeline.augment import Augment, as_augment, make_views
 from kdcache.pipeline.schedule import epoch_batches, view_of_epoch
-from kdcache.store.schema import index_error
+from kdcache.store.format.schema import index_error
 from kdcache.trainer.itemcheck import EAGER, ItemCheck
 from kdcache.trainer.loss import check_targets, kd_formula, temperature_of
 

@@ -3,7 +3,7 @@
 NOTE [item check]
 A plain data set (a Gluon Dataset without kdcache's identity()) cannot be compared with a cache as a
 whole without reading all of it, and a data set re-split with another seed has the same length and
-other items. The cache records each item its targets were made from (store.items: a digest of the
+other items. The cache records each item its targets were made from (store.format.items: a digest of the
 image as float32 values before augmentation, and the label; pipeline.digests NOTE [item digests]).
 SoftTargetDataset and SoftTargetIter compare an item with its record the first time they read it:
 one SHA-256 of the image (measured in docs/api.md), then one bit per item says it was checked, so
@@ -22,7 +22,7 @@ import numpy as np
 
 from kdcache.pipeline.digests import item_digest
 from kdcache.store import StoreError
-from kdcache.store.items import known
+from kdcache.store.format.items import known
 
 EAGER = 8  # items checked when the data set is made
 

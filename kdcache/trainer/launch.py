@@ -25,7 +25,7 @@ import time
 
 from kdcache import signals
 from kdcache.args import Allowed, Int, Option, Parser, add_options, fail
-from kdcache.pipeline.children import before_exec
+from kdcache.pipeline.child_setup import before_exec
 
 # The folder that holds the kdcache package: a checkout that is not installed finds it through this.
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -22,7 +22,7 @@ import numpy as np
 from mxnet import gluon
 
 from kdcache.args import Temperature
-from kdcache.store.schema import name_keys
+from kdcache.store.format.schema import name_keys
 from kdcache.trainer.errors import TrainError
 
 

@@ -80,7 +80,7 @@ BUILTIN = {"mlp": mlp, "mlp128": mlp128, "mlp800x2": mlp800x2, "small_cnn": smal
 def get_model(name, classes, prefix="student_"):
     """A built-in network, a Gluon model-zoo vision architecture (no pretrained weights), or the
     user's MODULE:FUNCTION(classes) returning a HybridBlock (its prefix is its own)."""
-    from kdcache.pipeline.pieces import USER_ERRORS, PieceError, is_piece, load_piece, raised
+    from kdcache.pipeline.user_code import USER_ERRORS, PieceError, is_piece, load_piece, raised
     if is_piece(name):
         fn = load_piece(name, "--student")
         try:
@@ -107,7 +107,7 @@ def check_student(net, name, x, classes):
     (MXNet's own error would come from inside the loss, as a traceback)."""
     import mxnet as mx
     from kdcache.pipeline.images import _mxnet_reason
-    from kdcache.pipeline.pieces import PieceError, is_piece
+    from kdcache.pipeline.user_code import PieceError, is_piece
     err = PieceError if is_piece(name) else ValueError
     try:
         out = net(x)
@@ -128,5 +128,5 @@ def check_student(net, name, x, classes):
 
 def model_identity(name):
     """What a run records of its student: the name, and for MODULE:FUNCTION its source digest."""
-    from kdcache.pipeline.pieces import is_piece, piece_identity
+    from kdcache.pipeline.user_code import is_piece, piece_identity
     return piece_identity(name, "--student") if is_piece(name) else name

@@ -72,7 +72,7 @@ class Student(Allowed):
     BUILTIN = ("mlp128", "mlp", "mlp800x2", "small_cnn", "small_cnn_flat", "digits_teacher")
 
     def __call__(self, s):
-        from kdcache.pipeline.pieces import is_piece
+        from kdcache.pipeline.user_code import is_piece
         if is_piece(s):
             return s.strip()  # MODULE:FUNCTION(classes) -> HybridBlock, loaded (and checked) with the student
         zoo = zoo_names()
@@ -105,7 +105,7 @@ class Ensemble(Allowed):
     and the member's temperature T default to 1)."""
 
     def __call__(self, s):
-        from kdcache.store.ensemble import parse_members  # numpy, no MXNet
+        from kdcache.store.derive.ensemble import parse_members  # numpy, no MXNet
         from kdcache.store.errors import StoreError
         try:
             return parse_members(s)

@@ -10,7 +10,7 @@ shared memory (set_epoch reaches workers already running), and each process open
 itself on first use, after the fork: a finished cache is then mapped once for all of them (its
 pages shared), and a cache still being written is followed as the producer commits rows.
 Threads (a DataLoader with thread_pool=True) share their process's reader, which is safe for them
-(store.reader's NOTE [threads]).
+(store.read.reader's NOTE [threads]).
 
 A plain data set (no identity(), a user's own) is compared with the cache item by item, each item the
 first time any process reads it (trainer.itemcheck NOTE [item check]).
@@ -27,7 +27,7 @@ from mxnet import gluon
 
 from kdcache.pipeline.augment import apply_one, as_augment
 from kdcache.store import CacheReader, StoreError
-from kdcache.store.ensemble import EnsembleReader
+from kdcache.store.derive.ensemble import EnsembleReader
 from kdcache.trainer.itemcheck import EAGER, ItemCheck
 from kdcache.trainer.loss import check_targets
 

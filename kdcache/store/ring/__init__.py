@@ -3,8 +3,8 @@
 # and the processes sharing it), base (what both sides share), writer and reader (the two sides).
 # Every name the single module store/ring.py had stays importable from store.ring, private ones
 # included (tests and tools reach for them).
-from .. import schema  # noqa: F401
-from ..codec import _finite_or_raise, make_codec  # noqa: F401
+from ..format import schema  # noqa: F401
+from ..format.codec import _finite_or_raise, make_codec  # noqa: F401
 from ..errors import (BadInputError, CacheNotFoundError, ConsumerGoneError,  # noqa: F401
                       FingerprintMismatchError, MissingTargetsError, ProducerGoneError, StoreError,
                       UnsupportedFormatError, WriterBusyError)

@@ -7,7 +7,7 @@ import weakref
 import numpy as np
 
 from kdcache.signals import sleep as wait  # a command's Ctrl-C ends a wait for the other side at once
-from ..codec import make_codec
+from ..format.codec import make_codec
 from ..errors import CacheNotFoundError, FingerprintMismatchError, StoreError, WriterBusyError
 from .layout import (_HEADER, CONSUMER, DEFAULT_CAPACITY, DEFAULT_CODEC, DEFAULT_DTYPE, FINISHED,
                      LAYOUT_VERSION, LEFT, MAGIC, PRODUCER, RUNNING, _bad_slot_state, _check_header, _find_slots,

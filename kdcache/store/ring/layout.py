@@ -22,7 +22,7 @@ import math
 
 import numpy as np
 
-from ..codec import DTYPES, make_codec
+from ..format.codec import DTYPES, make_codec
 from ..errors import BadInputError, StoreError, UnsupportedFormatError
 
 # Bump when a ring written by this code cannot be read by older code (2: fingerprint; 3: the

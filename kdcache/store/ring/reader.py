@@ -1,7 +1,7 @@
 """RingReader: the trainer's side of the ring, reading float32 logits by (sample index, epoch) key."""
 import numpy as np
 
-from .. import schema
+from ..format import schema
 from ..errors import MissingTargetsError, ProducerGoneError
 from .base import _Side, _Waiter
 from .layout import CONSUMER, EMPTY, LEFT, READY, _as_keys, _show

@@ -1,7 +1,7 @@
 """RingWriter: the producer's side of the ring, writing teacher logits by (sample index, epoch) key."""
 import numpy as np
 
-from ..codec import _finite_or_raise, stream_keys
+from ..format.codec import _finite_or_raise, stream_keys
 from ..errors import BadInputError, ConsumerGoneError, MissingTargetsError
 from .base import _Side, _Waiter
 from .layout import EMPTY, FINISHED, LEFT, PRODUCER, READY, RUNNING, _as_keys, _show

@@ -62,6 +62,34 @@ def test_store_imports_no_mxnet_and_nothing_of_the_other_packages():
                     and (not d.startswith("kdcache") or any(in_package(d, p) for p in SUBPACKAGES))], (name, deps)
 
 
+# The store's folders, lowest first: a module imports only from its own folder or the ones before it
+# (the README's code map says what each holds). The ring streams beside the files, on the format alone.
+STORE_LAYERS = (("errors", "osutil"), ("format",), ("files", "ring"), ("build",), ("folder",), ("read",), ("derive",))
+
+
+def store_layer(name):
+    part = name.split(".")[2] if name.count(".") >= 2 else None
+    for i, layer in enumerate(STORE_LAYERS):
+        if part in layer:
+            return i
+    return None  # the package's face (__init__) and its command line sit above every layer
+
+
+def test_the_stores_folders_import_only_downwards():
+    known = modules()
+    up = []
+    for name, path in known.items():
+        if not in_package(name, "kdcache.store") or store_layer(name) is None:
+            continue
+        for dep in imports(name, path, known):
+            if in_package(dep, "kdcache.store") and (store_layer(dep) is None or store_layer(dep) > store_layer(name)):
+                up.append(f"{name} -> {dep}")
+    assert not up, f"store modules importing a folder above their own: {up}"
+    folders = {d for d in os.listdir(os.path.join(ROOT, "kdcache", "store"))
+               if os.path.isfile(os.path.join(ROOT, "kdcache", "store", d, "__init__.py"))}
+    assert folders == {p for layer in STORE_LAYERS for p in layer} - {"errors", "osutil"}, folders
+
+
 def in_package(name, pkg):
     return name == pkg or name.startswith(pkg + ".")
 

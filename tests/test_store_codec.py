@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 
-from kdcache.store import CacheSpec, StoreError, make_codec, path_for
-from kdcache.store.format import fingerprint, schema
+from kdcache.store import CacheSpec, StoreError, fingerprint, make_codec, path_for
+from kdcache.store.format import schema
 from kdcache.store.format.fingerprint import is_fingerprint
 from tests.helpers import expected_logits, make_spec, reseal
 

@@ -9,6 +9,7 @@ from typing import NamedTuple
 
 from kdcache.args import Allowed, Dir, Float, Int, Name, Option, Parser, Temperature, add_options, fail
 from kdcache.pipeline.options import SHARED, check_applies, check_views, resolve_teacher
+from kdcache.trainer.defaults import DEFAULT_ALPHA, DEFAULT_TEMPERATURE
 
 DESCRIPTION = """\
 Train a student network with knowledge distillation from cached teacher logits.
@@ -153,10 +154,10 @@ TRAINER = [
            group="student"),
     Option("--teacher-mode", "cache: targets from the store; inline: the teacher in the loop; none: hard labels",
            choices=("cache", "inline", "none"), default="cache", group="distillation", make="TEACHER_MODE"),
-    Option("--temperature", "KD temperature (as GluonCV)", type=Temperature(), default=20.0,
+    Option("--temperature", "KD temperature (as GluonCV)", type=Temperature(), default=DEFAULT_TEMPERATURE,
            metavar="T", group="distillation", make="T", short="-T"),
-    Option("--alpha", "weight of the soft term; 1 - alpha weighs the hard labels (0.5 = GluonCV's)",
-           type=Float(0, 1), default=0.5, metavar="A", group="distillation", make="ALPHA"),
+    Option("--alpha", f"weight of the soft term; 1 - alpha weighs the hard labels ({DEFAULT_ALPHA:g} = GluonCV's)",
+           type=Float(0, 1), default=DEFAULT_ALPHA, metavar="A", group="distillation", make="ALPHA"),
     Option("--ensemble", "distil from several teachers' caches combined per key at read time (no teacher runs; "
            "replaces --teacher and --cache)", type=Ensemble(), metavar="CACHE[:W[:T]],...", group="distillation"),
     Option("--ensemble-rule", "logits: the weighted mean of the members' logits / T; probs: of their "

@@ -11,7 +11,6 @@ if __name__ == "__main__":  # first, before anything heavy is imported: signals 
     from kdcache import signals as _signals
     _signals.defer()
 import copy
-import json
 import logging
 import os
 import sys
@@ -240,8 +239,8 @@ def main(argv=None, prog="python -m kdcache.trainer.make_teacher"):
             "seconds": round(time.perf_counter() - t0, 1)}
     near, chance, threshold = chance_level(test.labels, test.num_classes, acc)
     info.update(chance=round(chance, 6), near_chance=bool(near))
-    with open(f"{args.out}-info.json", "w") as fh:
-        json.dump(info, fh, indent=1)
+    from kdcache.store.osutil import write_json_atomic
+    write_json_atomic(f"{args.out}-info.json", info, indent=1)
     logging.info("teacher %s: test accuracy %.4f on %s (%d samples), exported to %s-symbol.json / -0000.params",
                  args.arch, acc, args.dataset, len(test), args.out)
     if near:

@@ -32,13 +32,16 @@ def test_the_option_and_make_codec_accept_and_refuse_the_same_codecs(word):
     import argparse
     from kdcache.pipeline.options import Codec
     from kdcache.store import make_codec
+    from kdcache.store.codec import codecs_allowed
     from kdcache.store.errors import BadInputError
     try:
         option = Codec()(word)
     except argparse.ArgumentTypeError as e:
         with pytest.raises(BadInputError) as stored:
             make_codec(word, CLASSES)
-        assert str(stored.value) == f"codec {e}"  # one message, said by the registry
+        allowed = f": use {codecs_allowed()}"  # one list of what is allowed, said by the registry
+        assert str(e) == f"{word!r}{allowed}"
+        assert str(stored.value) == f"codec {word.strip().lower()!r} is unknown{allowed}"
         return
     assert make_codec(word, CLASSES).spec == option
 

@@ -405,6 +405,12 @@ def codec_grammar():
     return " | ".join(_said(name, kind, False) for name, kind in CODECS.items())
 
 
+def codecs_allowed():
+    """The codec specs allowed, with an example of each K, as a refusal names them."""
+    said = [_said(name, kind, True) for name, kind in CODECS.items()]
+    return ", ".join(said[:-1]) + ", or " + said[-1]
+
+
 def parse_codec(text):
     """The canonical spec of a codec name: 'full', 'topk:K', 'int8' or 'sampled:K' (case and surrounding
     blanks ignored, K without leading zeros). BadInputError in one line naming what is allowed for anything
@@ -415,9 +421,7 @@ def parse_codec(text):
     kind = CODECS.get(m.group(1)) if m else None
     k = None if kind is None or m.group(2) is None else int(m.group(2))
     if kind is None or kind.takes_k != (k is not None) or not _k_fits(kind, k):
-        said = [_said(name, kind, True) for name, kind in CODECS.items()]
-        allowed = ", ".join(said[:-1]) + ", or " + said[-1]
-        raise BadInputError(f"{text!r}: use {allowed}")
+        raise BadInputError(f"{text!r}: use {codecs_allowed()}")
     return m.group(1) if k is None else f"{m.group(1)}:{k}"
 
 
@@ -433,8 +437,8 @@ def make_codec(codec, num_classes, dtype="float16", version=None, seed=0):
         raise StoreError(f"dtype {dtype!r} is not supported: use one of {', '.join(DTYPES)}")
     try:
         name, _, k = parse_codec(codec).partition(":")
-    except BadInputError as e:
-        raise BadInputError(f"codec {e}") from None
+    except BadInputError:
+        raise BadInputError(f"codec {str(codec).strip().lower()!r} is unknown: use {codecs_allowed()}") from None
     kind = CODECS[name]
     if version is not None and version not in range(1, VERSIONS[name] + 1):
         reads = " and ".join(str(v) for v in range(1, VERSIONS[name] + 1))

@@ -482,12 +482,9 @@ def utc_now():
 
 def write_report(path, report):
     """The JSON report, written under a temporary name and renamed into place."""
+    from kdcache.store.osutil import write_json_atomic
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(report, fh, indent=1, default=_json_default)
-        fh.write("\n")
-    os.replace(tmp, path)
+    write_json_atomic(path, report, indent=1, default=_json_default, end="\n", fsync=False)
 
 
 def _json_default(x):

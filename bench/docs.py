@@ -171,10 +171,8 @@ def run(docs, results, check, also=()):
         new, stale = regenerate(text, path, results, blocks)
         found += [(path, name) for name in stale]
         if stale and not check:
-            tmp = path + ".tmp"  # a stopped run leaves the old page whole
-            with open(tmp, "w", encoding="utf-8") as fh:
-                fh.write(new)
-            os.replace(tmp, path)
+            from kdcache.store.osutil import write_atomic
+            write_atomic(path, new.encode("utf-8"), fsync=False)  # a stopped run leaves the old page whole
     return found
 
 

@@ -29,13 +29,16 @@ class BuildError(ValueError):
 
 
 def load_dataset(name: str, *, data_root: Optional[str] = None, split: str = "train",
-                 image_size: Optional[tuple] = None, num_classes: Optional[int] = None):
+                 image_size: Union[str, tuple, None] = None, num_classes: Optional[int] = None):
     """A kdcache data set by name, as `kdcache cache --dataset NAME` loads it: digits | mnist5k |
     synthetic[:n=..] | mnist | fashion-mnist | cifar10 | cifar100 | npz | recordio | imagefolder |
     MODULE:FUNCTION. Items are (image float32 [C, H, W] in [0, 1], label); `num_classes`, `shape`
-    and `identity()` (what a cache's fingerprint records of it) come with it. Loading imports no MXNet."""
-    from kdcache.pipeline.datasets import load_dataset as load
-    return load(name, data_root=data_root, split=split, image_size=image_size, num_classes=num_classes)
+    and `identity()` (what a cache's fingerprint records of it) come with it. `image_size`: "HxW" or
+    (H, W), read as --image-size reads it. Loading imports no MXNet."""
+    from kdcache.args import Size
+    from kdcache.pipeline.datasets import DatasetError, load_dataset as load
+    size = None if image_size is None else Size().coerce(image_size, "--image-size", DatasetError)
+    return load(name, data_root=data_root, split=split, image_size=size, num_classes=num_classes)
 
 
 def _dataset_name(dataset) -> str:

@@ -128,26 +128,40 @@ class Temperature(Float):
         return f"a number from {self.LO:g} to {self.HI:g}"
 
 
-class Floats(Allowed):
-    """Numbers separated by commas, one per channel."""
+class Commas(Allowed):
+    """Values separated by commas.
 
-    def __init__(self, positive=False):
-        self.positive = positive
+    Each is read by `element` (int or float) and must be finite, at least `lo` (above it with `gt`), and
+    with `increasing` each above the one before. A word `element` cannot read is "use <use>, e.g.
+    <example>"; a value out of bounds or order is `rule`. The list comes back as `container`."""
+
+    def __init__(self, element, *, use, example, rule=None, lo=None, gt=False, increasing=False, container=list):
+        self.element, self.use, self.example, self.rule = element, use, example, rule
+        self.lo, self.gt, self.increasing, self.container = lo, gt, increasing, container
 
     def __call__(self, s):
         try:
-            v = [float(x) for x in str(s).split(",")]
+            v = [self.element(x) for x in str(s).split(",")]
         except ValueError:
-            fail(f"{s!r}: use numbers separated by commas, one per channel, e.g. 0.485,0.456,0.406")
-        if not all(math.isfinite(x) for x in v):
+            fail(f"{s!r}: use {self.use}, e.g. {self.example}")
+        if not all(math.isfinite(x) for x in v if isinstance(x, float)):
             fail(f"{s!r}: every value must be a finite number")
-        if self.positive and any(x <= 0 for x in v):
-            fail(f"{s!r}: every channel's value must be > 0 (it divides the images)")
-        return v
+        if self.lo is not None and any(x < self.lo or (self.gt and x == self.lo) for x in v) or \
+                self.increasing and any(b <= a for a, b in zip(v, v[1:])):
+            fail(f"{s!r}: {self.rule}")
+        return self.container(v)
 
-    @staticmethod
-    def format(v):
-        return ",".join(repr(float(x)) for x in v)
+    def format(self, v):
+        return ",".join(repr(float(x)) if self.element is float else str(self.element(x)) for x in v)
+
+
+class Floats(Commas):
+    """Numbers separated by commas, one per channel."""
+
+    def __init__(self, positive=False):
+        super().__init__(float, use="numbers separated by commas, one per channel", example="0.485,0.456,0.406",
+                         rule="every channel's value must be > 0 (it divides the images)",
+                         lo=0 if positive else None, gt=True)
 
 
 class Size(Allowed):

@@ -53,7 +53,7 @@ def test_workers_make_the_in_process_images_bit_for_bit(photos, kind):
     from kdcache.pipeline.datasets import load_dataset
     from kdcache.pipeline.decode_workers import Decoder
     root = photos / ("folder" if kind == "imagefolder" else "p.rec")
-    ds = load_dataset(kind, data_root=str(root), image_size="40x40")
+    ds = load_dataset(kind, data_root=str(root), image_size=(40, 40))
     aug = Augment.parse("rrc:8,flip")
     idx = np.random.default_rng(3).permutation(len(ds))
     views = np.arange(len(ds)) % 3
@@ -138,7 +138,7 @@ def test_cache_with_workers_equals_cache_without(photos, tmp_path, mode):
 def test_default_workers_follow_the_cores_the_teacher_leaves(photos):
     from kdcache.pipeline.datasets import load_dataset
     from kdcache.pipeline.decode_workers import default_workers
-    files = load_dataset("imagefolder", data_root=str(photos / "folder"), image_size="40x40")
+    files = load_dataset("imagefolder", data_root=str(photos / "folder"), image_size=(40, 40))
     assert default_workers(files, 1, 2) == 1 and default_workers(files, 3, 8) == 5
     assert default_workers(files, 2, 2) == 0 and default_workers(files, 1, 4, producers=4) == 0
     assert default_workers(load_dataset("digits"), 1, 8) == 0  # in RAM: made in the producer's process
@@ -149,7 +149,7 @@ def test_a_damaged_photo_in_a_worker_is_one_line_naming_it_and_rows_before_are_k
     from kdcache.store.folder.registry import cache_bases, info
     shutil.copytree(photos, tmp_path / "p")
     from kdcache.pipeline.datasets import load_dataset
-    items = load_dataset("imagefolder", data_root=str(tmp_path / "p" / "folder"), image_size="40x40").items
+    items = load_dataset("imagefolder", data_root=str(tmp_path / "p" / "folder"), image_size=(40, 40)).items
     bad = items[40][0]  # in the third batch
     data = open(bad, "rb").read()
     open(bad, "wb").write(data[:len(data) // 2])

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+import kdcache
 from kdcache.pipeline import load_dataset
 from tests.datafiles import (ALL_KINDS, FILE_KINDS, dataset_error, make_cifar, make_folder, make_mnist, make_rec,
                              png_bytes, rng_for, write_idx, write_rec)
@@ -145,12 +146,12 @@ def test_recordio_mixed_sizes_need_image_size(tmp_path):
     assert ds[1][0].shape == (3, 6, 6)
     assert ds.get_batch([0, 2])[0].shape == (2, 3, 5, 4)  # same sizes batch fine
     dataset_error(lambda: ds.get_batch([0, 1]), "different sizes", "--image-size")
-    ds = load_dataset("recordio", data_root=rec, image_size="3x2")
+    ds = kdcache.load_dataset("recordio", data_root=rec, image_size="3x2")  # the API reads HxW, as --image-size
     x, y = ds.get_batch([0, 1, 2])
     assert x.shape == (3, 3, 3, 2) and x.dtype == np.float32 and ds.shape == (3, 3, 2)
     assert 0 <= x.min() and x.max() <= 1 and y.tolist() == [0, 1, 0]
     assert np.array_equal(x[1], ds[1][0])
-    dataset_error(lambda: load_dataset("recordio", data_root=rec, image_size="32"), "HxW")
+    dataset_error(lambda: kdcache.load_dataset("recordio", data_root=rec, image_size="32"), "HxW")
 
 
 def test_recordio_needs_its_idx(tmp_path):

@@ -13,7 +13,7 @@ from kdcache.store import (BadInputError, CacheNotFoundError, CacheReader, Cache
                    path_for)
 from kdcache.store.format import schema
 from kdcache.store.folder.registry import final_path, parts_path, verify
-from kdcache.store.files.segment import write_json_atomic
+from kdcache.store.osutil import write_json_atomic
 from tests.helpers import expected_logits, make_spec, produce, seal_again
 
 

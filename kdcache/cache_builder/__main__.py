@@ -177,9 +177,9 @@ def main(argv=None, prog="python -m kdcache.cache_builder"):
 
 def write_timeline(path, timeline):
     if path and timeline is not None:
-        with open(path + ".tmp", "w") as fh:
-            json.dump({"columns": ["time", "position", "rows"], "steps": timeline}, fh)
-        os.replace(path + ".tmp", path)
+        from kdcache.store.osutil import write_json_atomic
+        # a diagnostic: not fsynced
+        write_json_atomic(path, {"columns": ["time", "position", "rows"], "steps": timeline}, fsync=False)
 
 
 def run(args, log):
@@ -277,9 +277,8 @@ def emit(args, result):
     if args.json:
         print(json.dumps(result), flush=True)
     if args.result:
-        with open(args.result + ".tmp", "w") as fh:
-            json.dump(result, fh)
-        os.replace(args.result + ".tmp", args.result)
+        from kdcache.store.osutil import write_json_atomic
+        write_json_atomic(args.result, result, fsync=False)  # read by the parent once this process ends
 
 
 def run_shards(args, log, path, spec, result, t0, fill_shard):

@@ -212,8 +212,11 @@ def recorded_files(args, rec, sources):
                       f"pass --data-root where the files are now")
     if "image_size" not in sources:  # an older cache: the option, as before
         return args.data_root or root, args.image_size
-    try:
-        size = None if sources["image_size"] is None else Size().coerce(list(sources["image_size"]), "--image-size")
+    try:  # the record's [H, W], read back into the (H, W) --image-size gives, once, here
+        recorded = sources["image_size"]
+        if recorded is not None and len(recorded) != 2:
+            raise ValueError(recorded)
+        size = None if recorded is None else Size().coerce(tuple(recorded), "--image-size")
     except (TypeError, ValueError):
         raise Refused(f"the cache records image size {sources['image_size']!r}, not HxW: pass --image-size "
                       f"as the cache was built") from None

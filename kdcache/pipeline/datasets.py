@@ -89,18 +89,14 @@ DATASETS = ("digits", "mnist5k", "synthetic", "mnist", "fashion-mnist", "cifar10
 BUILTIN = ("digits", "mnist5k", "synthetic")
 
 
-def _size(s):
-    """--image-size: the (H, W) the command line parsed, or an HxW string through the same parser."""
-    if s is None:
-        return None
-    from kdcache.args import Size
-    return Size().coerce(s, "--image-size", DatasetError)
-
-
 def load_dataset(name, *, data_root=None, split="train", image_size=None, num_classes=None):
     """A data set by name: digits | mnist5k | synthetic[:n=..,classes=..,shape=CxHxW,seed=..] | mnist |
     fashion-mnist | cifar10 | cifar100 (files under data_root) | npz | recordio (a file) | imagefolder (a dir) |
-    MODULE:FUNCTION (the user's own, pipeline.user_code)."""
+    MODULE:FUNCTION (the user's own, pipeline.user_code). `image_size`: (H, W), ints, as --image-size parsed it
+    (kdcache.load_dataset parses a user's HxW), or None."""
+    if image_size is not None and not (isinstance(image_size, tuple) and len(image_size) == 2 and
+                                       all(isinstance(v, int) and v >= 1 for v in image_size)):
+        raise TypeError(f"image_size {image_size!r}: pass (H, W), two ints >= 1, as --image-size gives it")
     if split not in ("train", "test"):
         raise DatasetError(f"split {split!r}: use train or test")
     if is_piece(name):
@@ -128,5 +124,5 @@ def load_dataset(name, *, data_root=None, split="train", image_size=None, num_cl
         path = data_root
         if os.path.isdir(path):
             path = os.path.join(path, f"{split}.rec")
-        return RecordIODataset(path, split, _size(image_size), num_classes)
-    return ImageFolderDataset(data_root, split, _size(image_size))
+        return RecordIODataset(path, split, image_size, num_classes)
+    return ImageFolderDataset(data_root, split, image_size)

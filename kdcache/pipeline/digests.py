@@ -15,15 +15,15 @@ item_digest / item_records: one item's digest, what a cache records of each item
 import hashlib
 import json
 import os
+import secrets
 import stat
 import sys
-import tempfile
 import time
 
 import numpy as np
 
 from kdcache.store import file_digest
-from kdcache.store.osutil import NotOurs, open_regular
+from kdcache.store.osutil import NotOurs, open_regular, write_json_atomic
 
 from .dataset_base import DatasetError
 
@@ -66,16 +66,14 @@ def _save_memo(path, new):
     entries = {**_load_memo(path), **new}
     if len(entries) > MEMO_ENTRIES:
         entries = dict(sorted(entries.items(), key=lambda kv: kv[1]["t"])[-MEMO_ENTRIES:])
-    tmp = None
+    folder = os.path.dirname(os.path.abspath(path))
     try:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".digests.", suffix=".tmp")
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump({"version": MEMO_VERSION, "entries": entries}, fh, separators=(",", ":"))
-        os.replace(tmp, path)
+        os.makedirs(folder, exist_ok=True)
+        # a temporary name of its own: processes on other hosts may share this memo (a home over NFS)
+        write_json_atomic(path, {"version": MEMO_VERSION, "entries": entries}, separators=(",", ":"), fsync=False,
+                          tmp=os.path.join(folder, f".digests.{secrets.token_hex(8)}.tmp"))
     except OSError:  # a read-only home or a full disk: the memo is only a shortcut
-        if tmp is not None and os.path.exists(tmp):
-            os.unlink(tmp)
+        pass
 
 
 def unreadable(path, e, fix):

@@ -53,6 +53,7 @@ def export(dataset, out, *, per_class=None, fmt="png", quality=95, progress=None
     import numpy as np
     from kdcache import signals
     from kdcache.extras import require
+    from kdcache.store.osutil import write_atomic
     Image = require("PIL.Image", "exporting a data set as image files", PipelineError)
     idx = chosen(dataset.labels, per_class)
     width = len(str(dataset.num_classes - 1))
@@ -70,9 +71,7 @@ def export(dataset, out, *, per_class=None, fmt="png", quality=95, progress=None
             Image.fromarray(img).save(buf, "PNG" if fmt == "png" else "JPEG",
                                       **({} if fmt == "png" else {"quality": quality}))
             path = os.path.join(root, f"{int(lab):0{width}d}", f"{int(i):0{digits}d}.{fmt}")
-            with open(path + ".tmp", "wb") as fh:
-                fh.write(buf.getvalue())
-            os.replace(path + ".tmp", path)
+            write_atomic(path, buf.getbuffer(), fsync=False)  # whole images only; a rerun writes them again
         if progress:
             progress(min(a + 256, len(idx)), len(idx))
     return len(idx)

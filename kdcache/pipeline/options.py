@@ -22,16 +22,19 @@ DEFAULT_TEACHER = DEFAULT_TEACHERS["digits"]
 
 
 class Codec(Allowed):
-    """full | topk:K with K from 1 to the class count | int8 | sampled:K with K draws from 1 to 65535."""
+    """A codec spec, as the store's registry of codecs (kdcache.store.format.codec.CODECS) reads it."""
+
+    def allowed(self):
+        from kdcache.store.format.codec import codec_grammar
+        return codec_grammar()
 
     def __call__(self, s):
-        v = str(s).strip().lower()
-        if v in ("full", "int8"):
-            return v
-        m = re.fullmatch(r"(topk|sampled):(\d+)", v)
-        if not m or int(m.group(2)) < 1:
-            fail(f"{s!r}: use full, topk:K with K an integer >= 1 (e.g. topk:5), int8, or sampled:K (e.g. sampled:16)")
-        return f"{m.group(1)}:{int(m.group(2))}"
+        from kdcache.store.format.codec import parse_codec
+        from kdcache.store.errors import BadInputError
+        try:
+            return parse_codec(s)
+        except BadInputError as e:
+            fail(str(e))
 
 
 class AugmentSpec(Allowed):

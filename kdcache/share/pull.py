@@ -24,7 +24,7 @@ import sys
 from kdcache.args import Dir, Float, Parser
 from kdcache.store.errors import NewerFormatError, StoreError
 from kdcache.store.build.settle import locked, remote_holders, settle
-from kdcache.store.osutil import fsync_dir
+from kdcache.store.osutil import fsync_dir, write_atomic
 from kdcache.store.files.paths import parts_path, resolve_cache_dir
 from kdcache.store.files.segment import lock_holders
 
@@ -126,20 +126,6 @@ class Stage:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
-
-
-def _write_atomic(path, data):
-    tmp = path + f".tmp-{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    fsync_dir(os.path.dirname(path))
 
 
 def fetch(src, entry, stage, bar, *, again=True):
@@ -309,7 +295,7 @@ def _pull(src, *, cache_dir, expect_sha256, timeout, progress):
         names = {M.MANIFEST, entry["path"], entry["path"] + PART}
         stage.keep_only(names if same else set())
         if not same:
-            _write_atomic(kept, raw)
+            write_atomic(kept, raw)  # fsynced, and the rename too
         try:
             try:  # every file is there with its size before a byte of any is fetched
                 size = s.size(entry["path"])

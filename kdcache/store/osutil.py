@@ -1,6 +1,8 @@
-"""Operating-system helpers of the store: OS errors in one line, fsync, free memory, quiet stderr, safe opening."""
+"""Operating-system helpers of the store: OS errors in one line, fsync, atomic writes, free memory, quiet stderr,
+safe opening. Every package may use them (this module imports nothing above the store)."""
 import contextlib
 import errno
+import json
 import logging
 import os
 import re
@@ -59,6 +61,48 @@ def fsync_dir(d):
         pass
     finally:
         os.close(fd)
+
+
+def write_all(fd, data):
+    """Write every byte of `data` to the descriptor `fd` (one os.write may take fewer)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def write_atomic(path, data, *, fsync=True, tmp=None):
+    """Replace `path` whole with the bytes `data`: written under a temporary name in the same folder, then
+    renamed into place, so a reader sees the old file or the new one, never a part. `tmp`: that name
+    (default PATH.tmp-PID, as `kdcache gc` knows a leftover). `fsync`: the bytes reach the disk before the
+    rename and the rename itself after (the folder is fsynced): once this returns, a crash keeps the new
+    file. What stands at either name and is not this uid's regular file (a FIFO, a link, another user's
+    file) is left there and NotOurs (an OSError) raised; the temporary file never stays behind a failure."""
+    tmp = f"{path}.tmp-{os.getpid()}" if tmp is None else tmp
+    for p in (tmp, path):
+        if os.path.lexists(p) and not is_ours(p):
+            raise NotOurs(p, "in the way, and not a file kdcache wrote")
+    if os.path.lexists(tmp):
+        os.unlink(tmp)  # this pid's own leftover (a pid is reused)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        try:
+            write_all(fd, data)
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    if fsync:
+        fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def write_json_atomic(path, obj, *, fsync=True, tmp=None, end="", **dump):
+    """`obj` as JSON (json.dumps with `dump`: indent, sort_keys, ...; then `end`) written by write_atomic."""
+    write_atomic(path, (json.dumps(obj, **dump) + end).encode("utf-8"), fsync=fsync, tmp=tmp)
 
 
 def available_memory():

@@ -11,12 +11,12 @@ pickles the Updater, and load_states would run whatever a planted file holds):
   (`num_update`, the per-device index->count maps Adam's bias correction uses) and the layout of
   each parameter's state (an array, None, or a tuple/list of those).
 """
-import json
 import logging
 import os
 
 import mxnet as mx
 
+from kdcache.store.osutil import write_json_atomic
 from kdcache.trainer.errors import TrainError
 from kdcache.trainer.resume import read_state
 
@@ -90,11 +90,8 @@ def save_checkpoint(run_dir, net, trainer, epoch, state, keep=None):
         if record is not None:
             mx.nd.save(tmp + "-optimizer.params", {k: v.as_in_context(mx.cpu()) for k, v in arrays.items()})
             os.replace(tmp + "-optimizer.params", os.path.join(run_dir, states_name(epoch)))
-    with open(tmp + ".json", "w") as fh:
-        json.dump({**state, "epoch": epoch, "optimizer": record}, fh, indent=1)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp + ".json", os.path.join(run_dir, "state.json"))
+    # the epoch is complete once this is on disk: fsynced, and its rename too
+    write_json_atomic(os.path.join(run_dir, "state.json"), {**state, "epoch": epoch, "optimizer": record}, indent=1)
     for e in range(epoch):  # the previous epochs' optimiser state is no longer resumed from
         old = os.path.join(run_dir, states_name(e))
         if os.path.exists(old):

@@ -19,6 +19,7 @@ import numpy as np
 from kdcache.pipeline.augment import Augment, as_augment, make_views
 from kdcache.pipeline.schedule import epoch_batches, view_of_epoch
 from kdcache.store.format.schema import index_error
+from kdcache.trainer.defaults import DEFAULT_ALPHA, DEFAULT_TEMPERATURE
 from kdcache.trainer.itemcheck import EAGER, ItemCheck
 from kdcache.trainer.loss import check_targets, kd_formula, temperature_of
 
@@ -246,7 +247,7 @@ class _ItemSource:
         return np.stack(xs), np.asarray(ys, dtype=np.int64)
 
 
-def kd_symbol(student_logits, *, temperature=20.0, alpha=0.5, num_classes=None,
+def kd_symbol(student_logits, *, temperature=DEFAULT_TEMPERATURE, alpha=DEFAULT_ALPHA, num_classes=None,
               label_name="softmax_label", soft_label_name="soft_label"):
     """A Module API training symbol: the KD loss (the same formula as trainer.loss.KDLoss) as a
     MakeLoss head, with the student's softmax as a second, gradient-free output for metrics."""

@@ -23,6 +23,7 @@ from mxnet import gluon
 
 from kdcache.args import Temperature
 from kdcache.store.format.schema import name_keys
+from kdcache.trainer.defaults import DEFAULT_ALPHA, DEFAULT_TEMPERATURE
 from kdcache.trainer.errors import TrainError
 
 
@@ -130,7 +131,7 @@ class KDLoss(gluon.loss.Loss):
     alpha=0 gives plain cross-entropy on the labels (no teacher); alpha=1 the soft term only.
     """
 
-    def __init__(self, temperature=20.0, alpha=0.5, **kw):
+    def __init__(self, temperature=DEFAULT_TEMPERATURE, alpha=DEFAULT_ALPHA, **kw):
         super().__init__(weight=None, batch_axis=0, **kw)
         self.temperature = temperature_of(temperature)
         self.alpha = float(alpha)

@@ -11,7 +11,6 @@ if __name__ == "__main__":  # first, before anything heavy is imported: signals 
     from kdcache import signals as _signals
     _signals.defer()
 import copy
-import json
 import logging
 import os
 import sys
@@ -68,7 +67,7 @@ def train_teacher(dataset, test, *, arch="digits_teacher", epochs=40, batch_size
     from mxnet import autograd, gluon
 
     from kdcache.pipeline.augment import as_augment, eval_views
-    from kdcache.trainer.models import get_model
+    from kdcache.trainer.models import TEACHER_NETS, get_model
     if schedule not in ("cosine", "constant"):
         raise ValueError(f"learning-rate schedule {schedule!r}: use cosine or constant")
     aug = as_augment(augment)  # an Augment as --augment parsed it, or its spec string
@@ -115,25 +114,8 @@ def train_teacher(dataset, test, *, arch="digits_teacher", epochs=40, batch_size
     return net, acc
 
 
-def mnist_teacher(classes=10, prefix="teacher_"):
-    """A LeNet-style CNN for 28x28 digits, mnist5k's teacher (~0.4M weights, 4.3M multiply-adds
-    an image): two 3x3 convolutions each halved by max pooling, then a dropout-regularised MLP."""
-    from mxnet import gluon
-    net = gluon.nn.HybridSequential(prefix=prefix)
-    with net.name_scope():
-        net.add(gluon.nn.Conv2D(32, 3, padding=1, activation="relu"),
-                gluon.nn.MaxPool2D(2),
-                gluon.nn.Conv2D(64, 3, padding=1, activation="relu"),
-                gluon.nn.MaxPool2D(2),
-                gluon.nn.Flatten(),
-                gluon.nn.Dropout(0.3),
-                gluon.nn.Dense(128, activation="relu"),
-                gluon.nn.Dropout(0.3),
-                gluon.nn.Dense(classes))
-    return net
-
-
-TEACHER_NETS = {"mnist_teacher": mnist_teacher}
+# The names of models.TEACHER_NETS (the networks are defined there), for the command line: models imports MXNet.
+TEACHER_ARCHS = ("mnist_teacher",)
 
 
 class Arch(Student):
@@ -141,7 +123,7 @@ class Arch(Student):
 
     def __call__(self, s):
         zoo = zoo_names()
-        if s not in TEACHER_NETS and s not in self.BUILTIN and zoo is not None and s not in zoo:
+        if s not in TEACHER_ARCHS and s not in self.BUILTIN and zoo is not None and s not in zoo:
             fail(f"{s!r} is not a known network: use digits_teacher, mnist_teacher, small_cnn, mlp or a Gluon "
                  f"model-zoo name such as resnet18_v1")
         return s
@@ -257,8 +239,8 @@ def main(argv=None, prog="python -m kdcache.trainer.make_teacher"):
             "seconds": round(time.perf_counter() - t0, 1)}
     near, chance, threshold = chance_level(test.labels, test.num_classes, acc)
     info.update(chance=round(chance, 6), near_chance=bool(near))
-    with open(f"{args.out}-info.json", "w") as fh:
-        json.dump(info, fh, indent=1)
+    from kdcache.store.osutil import write_json_atomic
+    write_json_atomic(f"{args.out}-info.json", info, indent=1)
     logging.info("teacher %s: test accuracy %.4f on %s (%d samples), exported to %s-symbol.json / -0000.params",
                  args.arch, acc, args.dataset, len(test), args.out)
     if near:

@@ -7,8 +7,9 @@ import os
 import re
 from typing import NamedTuple
 
-from kdcache.args import Allowed, Dir, Float, Int, Name, Option, Parser, Temperature, add_options, fail
+from kdcache.args import Allowed, Commas, Dir, Float, Int, Name, Option, Parser, Temperature, add_options, fail
 from kdcache.pipeline.options import SHARED, check_applies, check_views, resolve_teacher
+from kdcache.trainer.defaults import DEFAULT_ALPHA, DEFAULT_TEMPERATURE
 
 DESCRIPTION = """\
 Train a student network with knowledge distillation from cached teacher logits.
@@ -82,22 +83,14 @@ class Student(Allowed):
         return s
 
 
-class Steps(Allowed):
+class Steps(Commas):
     """Epochs at which --lr-mode step multiplies the rate by --lr-factor: increasing integers >= 1
     separated by commas, e.g. 30,60,90."""
 
-    def __call__(self, s):
-        try:
-            v = tuple(int(x) for x in str(s).split(","))
-        except ValueError:
-            fail(f"{s!r}: use epochs separated by commas, e.g. 30,60,90")
-        if any(x < 1 for x in v) or any(b <= a for a, b in zip(v, v[1:])):
-            fail(f"{s!r}: the epochs must be at least 1 and increasing, e.g. 30,60,90")
-        return v
-
-    @staticmethod
-    def format(v):
-        return ",".join(str(int(x)) for x in v)
+    def __init__(self):
+        super().__init__(int, use="epochs separated by commas", example="30,60,90",
+                         rule="the epochs must be at least 1 and increasing, e.g. 30,60,90", lo=1, increasing=True,
+                         container=tuple)
 
 
 class Ensemble(Allowed):
@@ -153,10 +146,10 @@ TRAINER = [
            group="student"),
     Option("--teacher-mode", "cache: targets from the store; inline: the teacher in the loop; none: hard labels",
            choices=("cache", "inline", "none"), default="cache", group="distillation", make="TEACHER_MODE"),
-    Option("--temperature", "KD temperature (as GluonCV)", type=Temperature(), default=20.0,
+    Option("--temperature", "KD temperature (as GluonCV)", type=Temperature(), default=DEFAULT_TEMPERATURE,
            metavar="T", group="distillation", make="T", short="-T"),
-    Option("--alpha", "weight of the soft term; 1 - alpha weighs the hard labels (0.5 = GluonCV's)",
-           type=Float(0, 1), default=0.5, metavar="A", group="distillation", make="ALPHA"),
+    Option("--alpha", f"weight of the soft term; 1 - alpha weighs the hard labels ({DEFAULT_ALPHA:g} = GluonCV's)",
+           type=Float(0, 1), default=DEFAULT_ALPHA, metavar="A", group="distillation", make="ALPHA"),
     Option("--ensemble", "distil from several teachers' caches combined per key at read time (no teacher runs; "
            "replaces --teacher and --cache)", type=Ensemble(), metavar="CACHE[:W[:T]],...", group="distillation"),
     Option("--ensemble-rule", "logits: the weighted mean of the members' logits / T; probs: of their "

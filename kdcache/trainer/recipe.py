@@ -1,5 +1,6 @@
 """The training recipe's pieces without MXNet: the learning-rate schedule, the validation slice, epochs.csv."""
 import csv
+import io
 import math
 import os
 
@@ -92,12 +93,12 @@ class EpochLog:
             with open(self.path, newline="") as fh:
                 rows = [r for r in csv.DictReader(fh)
                         if r.get("epoch", "").isdigit() and int(r["epoch"]) <= resume_after + 1]
-        tmp = self.path + ".tmp"
-        with open(tmp, "w", newline="") as fh:
-            w = csv.DictWriter(fh, EPOCH_COLUMNS, extrasaction="ignore")
-            w.writeheader()
-            w.writerows(rows)
-        os.replace(tmp, self.path)
+        from kdcache.store.osutil import write_atomic
+        text = io.StringIO(newline="")
+        w = csv.DictWriter(text, EPOCH_COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+        write_atomic(self.path, text.getvalue().encode("utf-8"), fsync=False)  # the rows after it are appended unsynced
 
     def append(self, row):
         """`row`: epoch (1-based), the rest numbers or None (an empty cell)."""

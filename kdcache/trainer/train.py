@@ -1,6 +1,5 @@
 """The training loop, read top to bottom: options -> data -> targets -> student -> epochs -> report."""
 import dataclasses
-import json
 import logging
 import os
 import signal
@@ -17,6 +16,7 @@ from kdcache import signals
 from kdcache.pipeline.interrupts import Interrupts
 from kdcache.pipeline.schedule import EpochDigests, epoch_batches, schedule, steps_per_epoch, view_of_epoch
 from kdcache.store import ProducerGoneError
+from kdcache.store.osutil import write_json_atomic
 from kdcache.trainer.checkpoint import load_checkpoint, save_checkpoint
 from kdcache.trainer.loss import KDLoss, LateLoss, check_finite, host_finite
 from kdcache.trainer.models import check_student, get_model, model_identity
@@ -191,12 +191,6 @@ def recipe(args, lr_schedule, val_items):
             "lr_factor": args.lr_factor if args.lr_mode == "step" else None,
             "warmup_epochs": args.warmup_epochs, "val_fraction": args.val_fraction, "val_items": val_items,
             "save_every": args.save_every}
-
-
-def write_json(path, obj, indent=None):
-    with open(path + ".tmp", "w") as fh:
-        json.dump(obj, fh, indent=indent)
-    os.replace(path + ".tmp", path)
 
 
 # --- the run ---------------------------------------------------------------------------------
@@ -376,6 +370,7 @@ def run(args, plan, targets, threads, cores):
         "last_checkpoint": os.path.join(run_dir, f"student-{history[-1]['epoch']:04d}.params") if history else None,
         "schedule_sha256": digests.complete(),
     }
-    write_json(os.path.join(run_dir, "timeline.json"), {"columns": ["time", "position", "wait_s"], "steps": timeline})
-    write_json(os.path.join(run_dir, "metrics.json"), metrics, indent=1)
+    write_json_atomic(os.path.join(run_dir, "timeline.json"), {"columns": ["time", "position", "wait_s"],
+                                                               "steps": timeline}, fsync=False)  # a diagnostic
+    write_json_atomic(os.path.join(run_dir, "metrics.json"), metrics, indent=1)  # the run's result: fsynced
     return metrics, run_dir

@@ -21,11 +21,11 @@ from .compact import finalize
 from ..errors import (BadInputError, FingerprintMismatchError, StoreError, UnsupportedFormatError,
                      WriterBusyError)
 from ..format.fingerprint import is_fingerprint
-from ..osutil import NotOurs, fs_error, open_regular, own, stderr_silenced
+from ..osutil import NotOurs, fs_error, open_regular, own, stderr_silenced, write_json_atomic
 from .settle import settle
 from ..files.paths import base_path, final_path, foreign_files, parts_path
 from ..files.segment import (HOST, create_segment, final_spec, quiet_h5py_dealloc_errors, read_manifest,
-                      scan_done, write_json_atomic)
+                      scan_done)
 
 
 def check_final_matches(path, spec):
@@ -71,7 +71,7 @@ def prepare_parts(path, spec):
                          f"manifest: it is not a cache in progress; move it away, or pass another --cache-dir")
     if manifest is None:
         try:
-            write_json_atomic(os.path.join(parts, schema.MANIFEST), spec.meta())
+            write_json_atomic(os.path.join(parts, schema.MANIFEST), spec.meta(), indent=1, sort_keys=True)
         except OSError as e:
             raise fs_error(e, parts, "make the cache directory writable or pass another --cache-dir") from None
     elif manifest.get(schema.A_FINGERPRINT) != spec.fingerprint:

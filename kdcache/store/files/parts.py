@@ -31,7 +31,7 @@ import numpy as np
 
 from ..format import items as item_records, schema
 from ..errors import DamagedFileError, StoreError
-from ..osutil import fsync_dir, is_ours, listdir
+from ..osutil import fsync_dir, is_ours, listdir, write_all
 from .paths import PART, PART_TMP  # noqa: F401 (PART_TMP: re-exported)
 from .segment import chunk_rows
 
@@ -262,9 +262,7 @@ def _copy(src, dst):
                 chunk = fh.read(1 << 20)
                 if not chunk:
                     break
-                view = memoryview(chunk)
-                while view:
-                    view = view[os.write(fd, view):]
+                write_all(fd, chunk)
         os.fsync(fd)
     finally:
         os.close(fd)

@@ -15,7 +15,7 @@ from . import probe
 from ..format import schema, seal
 from ..errors import CacheChangedError, CacheNotFoundError, DamagedFileError, StoreError, UnsupportedFormatError
 from .paths import PART
-from ..osutil import NotOurs, check_trusted, is_ours, listdir, open_regular, read_regular, regular, skipped
+from ..osutil import NotOurs, check_trusted, listdir, open_regular, read_regular, regular, skipped
 from ..format.validate import (check_committed, check_final, check_keys, check_segment, read_meta,  # noqa: F401 (read_meta: re-exported)
                        spec_from_meta)
 
@@ -285,24 +285,6 @@ def read_manifest(parts_dir):
     except (KeyError, TypeError, ValueError):
         meta.pop("inputs", None)  # spec_from_meta names what is missing or malformed
     return meta
-
-
-def write_json_atomic(path, obj):
-    """Write `path` whole under a temporary name, then rename it into place. What stands in the
-    way and is not this uid's regular file (a FIFO, a link, another user's file) is left there,
-    and NotOurs (an OSError) raised."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    for p in (tmp, path):
-        if os.path.lexists(p) and not is_ours(p):
-            raise NotOurs(p, "in the way, and not a file kdcache wrote")
-    if os.path.lexists(tmp):
-        os.unlink(tmp)  # this pid's own leftover (a pid is reused)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    with open(fd, "w", encoding="utf-8") as fh:
-        json.dump(obj, fh, indent=1, sort_keys=True)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
 
 
 def list_segments(parts_dir):

@@ -30,14 +30,15 @@ def touch_used(path):
 def write_position(path, position, *, epoch=None, step=None, run=None):
     """A trainer reports how far it has read (a step count of the shared schedule) so producers
     can show their lead. One small JSON file per trainer process, replaced atomically."""
-    from ..files.segment import write_json_atomic
+    from ..osutil import write_json_atomic
     parts = parts_path(path)
     if not os.path.isdir(parts):
         return
     try:
         write_json_atomic(os.path.join(parts, f"trainer-{os.getpid()}.json"),
                           {"position": int(position), "epoch": epoch, "step": step, "run": run,
-                           "pid": os.getpid(), "time": time.time()})
+                           "pid": os.getpid(), "time": time.time()}, indent=1, sort_keys=True,
+                          fsync=False)  # read by live producers only: a crash loses nothing
     except OSError:
         pass  # progress display only
 

@@ -30,6 +30,9 @@ its reader rebuilds the tail as 1 - (the stored top values' mass), in float64, f
 where float16 rounding leaves that difference known to within 25%; a file with other rows is
 refused with one line (rebuild it). Writers always write the current version.
 """
+import re
+from typing import NamedTuple, Optional
+
 import numpy as np
 
 from . import schema
@@ -236,12 +239,13 @@ class SampledCodec:
     their counts; the estimate count / K of the teacher's distribution is unbiased (Anshumann et al. 2025)."""
     name = "sampled"
     version = 1
+    K_MAX = 65535  # draws: the counts fit uint16
 
     def __init__(self, num_classes, k, dtype="float16", seed=0):
         self.num_classes = int(num_classes)
         self.k = int(k)
-        if not 1 <= self.k <= 65535:
-            raise StoreError(f"codec sampled:{k} needs 1 <= K <= 65535 draws: pick K in that range")
+        if not 1 <= self.k <= self.K_MAX:
+            raise StoreError(f"codec sampled:{k} needs 1 <= K <= {self.K_MAX} draws: pick K in that range")
         if np.dtype(dtype) != np.float16:  # float32 would name a second cache of the same bytes (as int8)
             raise StoreError(f"codec sampled:{k} stores class indices "
                              f"and counts whatever the dtype: dtype {np.dtype(dtype).name} does not apply to it; "
@@ -368,37 +372,78 @@ def _logsumexp(x):
         return m_safe + np.log(np.exp(x - m_safe[:, None]).sum(axis=1))
 
 
+# --- the codecs by name: the grammar of a codec spec, here once -------------------------------------
+class CodecKind(NamedTuple):
+    """One codec as a spec names it: NAME, or NAME:K when it takes K."""
+    cls: type
+    takes_k: bool = False
+    k_max: Optional[int] = None  # K's upper bound; None: the class count (checked where it is known)
+    k_noun: str = "K"  # what K counts, as the allowed values say it
+    example: str = ""  # a spec of this kind, as messages show it
+    passes: tuple = ()  # what make_codec hands on besides the class count, K and dtype: "version", "seed"
+
+
+CODECS = {
+    "full": CodecKind(FullCodec),
+    "topk": CodecKind(TopKCodec, takes_k=True, example="topk:5", passes=("version",)),
+    "int8": CodecKind(Int8Codec),
+    "sampled": CodecKind(SampledCodec, takes_k=True, k_max=SampledCodec.K_MAX, k_noun="K draws", example="sampled:16",
+                         passes=("seed",)),
+}
+_SPEC = re.compile(r"([a-z0-9]+)(?::([0-9]+))?", re.ASCII)
+
+
+def _said(name, kind, examples):
+    if not kind.takes_k:
+        return name
+    top = "the class count" if kind.k_max is None else kind.k_max
+    return f"{name}:K with {kind.k_noun} from 1 to {top}" + (f" (e.g. {kind.example})" if examples else "")
+
+
+def codec_grammar():
+    """The codec specs allowed, as the --codec option's allowed values show them."""
+    return " | ".join(_said(name, kind, False) for name, kind in CODECS.items())
+
+
+def codecs_allowed():
+    """The codec specs allowed, with an example of each K, as a refusal names them."""
+    said = [_said(name, kind, True) for name, kind in CODECS.items()]
+    return ", ".join(said[:-1]) + ", or " + said[-1]
+
+
+def parse_codec(text):
+    """The canonical spec of a codec name: 'full', 'topk:K', 'int8' or 'sampled:K' (case and surrounding
+    blanks ignored, K without leading zeros). BadInputError in one line naming what is allowed for anything
+    else, K out of its bounds included; topk's K against the class count is the codec's own check, where
+    the class count is known."""
+    v = str(text).strip().lower()
+    m = _SPEC.fullmatch(v)
+    kind = CODECS.get(m.group(1)) if m else None
+    k = None if kind is None or m.group(2) is None else int(m.group(2))
+    if kind is None or kind.takes_k != (k is not None) or not _k_fits(kind, k):
+        raise BadInputError(f"{text!r}: use {codecs_allowed()}")
+    return m.group(1) if k is None else f"{m.group(1)}:{k}"
+
+
+def _k_fits(kind, k):
+    return k is None or k >= 1 and (kind.k_max is None or k <= kind.k_max)
+
+
 def make_codec(codec, num_classes, dtype="float16", version=None, seed=0):
-    """Codec object from its spec string: 'full', 'topk:K', 'int8' or 'sampled:K'; `version`: the codec
-    version a file records (None: the version writers write now); `seed`: the cache's seed (sampled:K's
+    """Codec object from its spec string: 'full', 'topk:K', 'int8' or 'sampled:K' (parse_codec); `version`: the
+    codec version a file records (None: the version writers write now); `seed`: the cache's seed (sampled:K's
     draws)."""
     if dtype not in DTYPES:
         raise StoreError(f"dtype {dtype!r} is not supported: use one of {', '.join(DTYPES)}")
-    codec = str(codec).strip().lower()
-    if codec == "full":
-        if version not in (None, 1):
-            raise NewerFormatError(f"codec full version {version} is unknown to this kdcache (it reads 1): upgrade "
-                                   f"kdcache, or rebuild the cache")
-        return FullCodec(num_classes, dtype)
-    if codec.startswith("topk:"):
-        try:
-            k = int(codec.split(":", 1)[1])
-        except ValueError:
-            raise StoreError(f"codec {codec!r}: K must be an integer, as in topk:5") from None
-        return TopKCodec(num_classes, k, dtype, VERSIONS["topk"] if version is None else version)
-    if codec == "int8":
-        if version not in (None, 1):
-            raise NewerFormatError(f"codec int8 version {version} is unknown to this kdcache (it reads 1): upgrade "
-                                   f"kdcache, or rebuild the cache")
-        return Int8Codec(num_classes, dtype)
-    if codec.startswith("sampled:"):
-        if version not in (None, 1):
-            raise NewerFormatError(f"codec sampled version {version} is unknown to this kdcache (it reads 1): "
-                                   f"upgrade kdcache, or rebuild the cache")
-        try:
-            k = int(codec.split(":", 1)[1])
-        except ValueError:
-            raise StoreError(f"codec {codec!r}: K must be an integer, as in sampled:16") from None
-        return SampledCodec(num_classes, k, dtype, seed)
-    raise StoreError(f"codec {codec!r} is unknown: use 'full', 'topk:K' (for example topk:5), 'int8' or "
-                     f"'sampled:K' (for example sampled:16)")
+    try:
+        name, _, k = parse_codec(codec).partition(":")
+    except BadInputError:
+        raise BadInputError(f"codec {str(codec).strip().lower()!r} is unknown: use {codecs_allowed()}") from None
+    kind = CODECS[name]
+    if version is not None and version not in range(1, VERSIONS[name] + 1):
+        reads = " and ".join(str(v) for v in range(1, VERSIONS[name] + 1))
+        raise NewerFormatError(f"codec {name} version {version} is unknown to this kdcache (it reads {reads}): "
+                               f"upgrade kdcache, or rebuild the cache")
+    given = {"version": VERSIONS[name] if version is None else version, "seed": seed}
+    return kind.cls(num_classes, *([int(k)] if kind.takes_k else []), dtype=dtype,
+                    **{key: given[key] for key in kind.passes})

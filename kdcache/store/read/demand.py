@@ -16,7 +16,7 @@ import stat
 
 import numpy as np
 
-from ..osutil import NotOurs, is_ours, pid_ours, read_regular, skipped
+from ..osutil import NotOurs, is_ours, pid_ours, read_regular, skipped, write_atomic
 
 PREFIX = "demand-"
 NAME = re.compile(r"^demand-(\d+)-(wait|next)\.npy$", re.ASCII)
@@ -34,25 +34,12 @@ def publish(parts, kind, keys):
     never an error."""
     keys = np.asarray(keys, dtype=np.int64).reshape(-1)
     arr = np.concatenate([np.array([VERSION], dtype=np.int64), keys])
-    path = demand_path(parts, kind)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    for p in (tmp, path):  # what stands there and is not this uid's regular file is left alone
-        if os.path.lexists(p) and not is_ours(p):
-            return False
-    try:
-        if os.path.lexists(tmp):
-            os.unlink(tmp)  # this pid's own leftover (a pid is reused)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-        with open(fd, "wb") as fh:
-            np.save(fh, arr, allow_pickle=False)
-        os.replace(tmp, path)
+    buf = io.BytesIO()
+    np.save(buf, arr, allow_pickle=False)
+    try:  # what stands there and is not this uid's regular file is left alone (NotOurs)
+        write_atomic(demand_path(parts, kind), buf.getbuffer(), fsync=False)  # a hint: a crash loses nothing
         return True
     except OSError:
-        try:
-            if is_ours(tmp):
-                os.unlink(tmp)
-        except OSError:
-            pass
         return False
 
 

@@ -14,6 +14,9 @@ The public API (imported on first use: `import kdcache` loads neither MXNet, h5p
     KDLoss(temperature, alpha)         Gluon: the KD loss of (student logits, teacher logits, label)
     SoftTargetIter(dataset, reader)    Module API: batches with `softmax_label` and `soft_label`
     kd_symbol(logits, temperature=, alpha=)  Module API: the same KD loss as a training symbol
+    KdcacheError                       the root of every error kdcache raises on purpose (cause and fix in
+                                       its message); under it StoreError, PipelineError (data sets,
+                                       augmentations, teachers), TrainError, BuildError, ShareError
 
 The packages: store (the soft-target cache), cache_builder (the CPU teacher producer), trainer
 (the student), pipeline (data sets, views, the schedule, the teacher runner), share (publishing
@@ -32,6 +35,10 @@ _PUBLIC = {
     "SoftTargetDataset": "kdcache.trainer.softdata",
     "KDLoss": "kdcache.trainer.loss",
     "SoftTargetIter": "kdcache.trainer.dataiter", "kd_symbol": "kdcache.trainer.dataiter",
+    # The errors: every one kdcache raises on purpose is a KdcacheError (kdcache.errors); each package's root
+    # under it. Anything else out of kdcache is a bug in kdcache.
+    "KdcacheError": "kdcache.errors", "StoreError": "kdcache.store", "PipelineError": "kdcache.pipeline.errors",
+    "TrainError": "kdcache.trainer.errors",
 }
 __all__ = list(_PUBLIC) + ["__version__"]
 

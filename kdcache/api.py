@@ -17,6 +17,8 @@ import sys
 import tempfile
 from typing import Any, Optional, Union
 
+from kdcache.errors import BUG, BadTypeError, KdcacheError
+
 # The keyword arguments build_cache and cache_path turn into the producer's options (the flag is
 # the keyword with '_' as '-'); the values are checked by the options' own types.
 _OPTION_KEYWORDS = ("views", "augment", "codec", "dtype", "cache_dir", "cache", "seed", "data_root", "image_size",
@@ -24,7 +26,7 @@ _OPTION_KEYWORDS = ("views", "augment", "codec", "dtype", "cache_dir", "cache", 
                     "batch_size", "threads", "engine", "address", "actors", "actor_cpus", "block_rows", "scratch")
 
 
-class BuildError(ValueError):
+class BuildError(KdcacheError, ValueError):
     """The producer refused its inputs or failed; the message is its one line (cause and fix)."""
 
 
@@ -94,7 +96,7 @@ def _argv(teacher: str, dataset: str, options: dict) -> list:
     argv = [f"--teacher={teacher}", f"--dataset={dataset}"]
     for key, value in options.items():
         if key not in _OPTION_KEYWORDS:
-            raise TypeError(f"unexpected keyword {key!r}: use {', '.join(_OPTION_KEYWORDS)}")
+            raise BadTypeError(f"unexpected keyword {key!r}: use {', '.join(_OPTION_KEYWORDS)}")
         if isinstance(value, str):  # as a user types it: the producer's parser checks it
             argv.append(f"{declared[key].flag}={value}")
         elif value is not None:
@@ -140,6 +142,9 @@ def build_cache(teacher: Union[str, Any], dataset: str, *, views: int = 1, augme
         argv = [sys.executable, "-m", "kdcache.cache_builder", *_argv(prefix, name, opts), "--json"]
         r = subprocess.run(argv + (["--quiet"] if quiet else []), stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE if quiet else None, text=True)
+    if r.returncode == BUG:  # a bug in kdcache, not the caller's input: its traceback and line, not a BuildError
+        raise RuntimeError(f"the producer failed (exit status {BUG}, a bug in kdcache):\n"
+                           f"{(r.stderr or '').strip()[-4000:] or '(its output is above)'}")
     if r.returncode != 0:
         raise BuildError(_one_line(r.stderr, f"the producer ended with status {r.returncode}"))
     result = json.loads(r.stdout.strip().splitlines()[-1])

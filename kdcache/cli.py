@@ -1,5 +1,11 @@
-"""The `kdcache` command: one front door with a subcommand for every job."""
+"""The `kdcache` command: one front door with a subcommand for every job.
+
+Every command ends the same way (kdcache.errors.as_command): a KdcacheError, the input's fault, as one line
+`error: ...` and exit status 2; anything else as a bug in kdcache: its traceback, one line saying so,
+exit status 70."""
 import sys
+
+from kdcache.errors import as_command
 
 # name -> (module whose main(argv, prog) runs it, what it does); main(argv, prog) of each module.
 COMMANDS = {
@@ -70,6 +76,7 @@ def main(argv=None):
             return signals.exit_status(e)
 
 
+@as_command  # the dispatcher's own failures (each command's main ends the same way itself)
 def command(argv, signals):
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):

@@ -11,6 +11,8 @@ import sys
 import time
 
 from kdcache.args import Address, Dir, Int, Name, Option, OutFile, Parser, add_options
+from kdcache.cache_builder.errors import ProducerError
+from kdcache.errors import BUG, USER_ERROR, KdcacheError, as_command, bug, refused
 from kdcache.pipeline.interrupts import exit_status, stop_word, take_sigterm
 from kdcache.pipeline.options import SHARED, Shard, check_applies, check_views, resolve_teacher
 from kdcache.threads import fix_threads
@@ -35,7 +37,7 @@ def ring_timeout():
     except ValueError:
         seconds = float("nan")
     if not 0 < seconds < float("inf"):
-        raise ValueError(f"KDCACHE_RING_TIMEOUT={value!r}: use a number of seconds > 0, or unset it")
+        raise ProducerError(f"KDCACHE_RING_TIMEOUT={value!r}: use a number of seconds > 0, or unset it")
     return seconds
 
 
@@ -138,6 +140,7 @@ def parse_args(argv=None, prog="python -m kdcache.cache_builder"):
     return args
 
 
+@as_command  # a KdcacheError is one line and exit 2; anything else shows as the bug it is
 def main(argv=None, prog="python -m kdcache.cache_builder"):
     args = parse_args(argv, prog)
     take_sigterm()  # SIGTERM stops like Ctrl-C: at a safe point, rows kept, exit 143
@@ -159,16 +162,12 @@ def main(argv=None, prog="python -m kdcache.cache_builder"):
     log.info("teacher uses %d thread(s) of %d core(s); %d left to the trainer (OMP_NUM_THREADS=%d)",
              threads, cores, max(0, cores - threads), threads)
     from kdcache.store import StoreError
-    from kdcache.pipeline.datasets import DatasetError
-    from kdcache.pipeline.teacher_files import TeacherError
     try:
         return run(args, log)
-    except (StoreError, DatasetError, TeacherError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        if isinstance(e, StoreError):
-            from kdcache.store.osutil import exit_at_once
-            exit_at_once(2)  # HDF5's clean-up after a failed write (a full disk) can crash at exit
-        return 2
+    except StoreError as e:  # the others: as_command
+        refused(e)
+        from kdcache.store.osutil import exit_at_once
+        exit_at_once(USER_ERROR)  # HDF5's clean-up after a failed write (a full disk) can crash at exit
     except KeyboardInterrupt as e:
         print(f"{stop_word(e)}: every row written so far is kept; run the same command again to resume",
               file=sys.stderr)
@@ -246,19 +245,19 @@ def await_cache(log, spec, stream=None):
         return None
     want = '{"cache": PATH, "fingerprint": FP}'
     if len(line) > HOLD_LINE_MAX:
-        raise ValueError(f"--hold: stdin gave a line longer than {HOLD_LINE_MAX} characters, not one JSON line "
-                         f"{want}; nothing written")
+        raise ProducerError(f"--hold: stdin gave a line longer than {HOLD_LINE_MAX} characters, not one JSON line "
+                            f"{want}; nothing written")
     try:
         go = json.loads(line)  # a deeply nested line raises RecursionError: refused like any other
         path, fingerprint = go["cache"], go["fingerprint"]
         if not (isinstance(path, str) and path and isinstance(fingerprint, str)):
             raise TypeError
     except (ValueError, KeyError, TypeError, RecursionError):
-        raise ValueError(f"--hold: stdin gave {line.strip()[:100]!r}, not one JSON line {want}; "
-                         f"nothing written") from None
+        raise ProducerError(f"--hold: stdin gave {line.strip()[:100]!r}, not one JSON line {want}; "
+                            f"nothing written") from None
     if fingerprint != spec.fingerprint:
-        raise ValueError(f"--hold: the trainer names cache {fingerprint}, these options give {spec.fingerprint}: "
-                         f"the two disagree on the teacher, the data set or the shared options; nothing written")
+        raise ProducerError(f"--hold: the trainer names cache {fingerprint}, these options give {spec.fingerprint}: "
+                            f"the two disagree on the teacher, the data set or the shared options; nothing written")
     from kdcache.store.files.paths import base_path
     return base_path(path)  # P, P.h5 or P.parts name the same cache: its base, as `fill` takes it
 
@@ -315,8 +314,11 @@ def run_shards(args, log, path, spec, result, t0, fill_shard):
                     out = fill_shard(i)
                 except KeyboardInterrupt as e:
                     out, code = {"error": "interrupted"}, exit_status(e)
-                except Exception as e:  # reported by the parent as one line
-                    out, code = {"error": str(e)}, 2
+                except KdcacheError as e:  # reported by the parent as one line
+                    out, code = {"error": str(e)}, USER_ERROR
+                except Exception as e:  # a bug: its traceback here, the parent says so
+                    bug(e)
+                    out, code = {"error": f"{type(e).__name__}: {e}", "bug": True}, BUG
                 try:
                     with os.fdopen(w, "w") as fh:
                         json.dump(out, fh)
@@ -364,9 +366,11 @@ def run_shards(args, log, path, spec, result, t0, fill_shard):
     if errors:
         first = [(i, o) for i, o in errors if not o.get("stopped")]
         rest = [i for i, o in errors if o.get("stopped")]
-        raise ValueError("; ".join(f"shard {i}/{args.shards}: {o['error']}" for i, o in first)
-                         + (f" (shard(s) {', '.join(map(str, sorted(rest)))} stopped with it)" if rest else "")
-                         + ": every row written so far is kept; run the same command again to finish the cache")
+        crashed = any(o.get("bug") for _, o in first)  # a bug in a shard is one in this command (its traceback above)
+        raise (RuntimeError if crashed else ProducerError)(
+            "; ".join(f"shard {i}/{args.shards}: {o['error']}" for i, o in first)
+            + (f" (shard(s) {', '.join(map(str, sorted(rest)))} stopped with it)" if rest else "")
+            + ": every row written so far is kept; run the same command again to finish the cache")
     from kdcache.store.folder.registry import final_path
     complete = os.path.exists(final_path(path))
     result.update(shard=f"0..{args.shards - 1}/{args.shards}", complete=complete,

@@ -16,6 +16,7 @@ import numpy as np
 
 from kdcache.args import Allowed, Int, Option, Parser, add_options, fail
 from kdcache.cache_builder.errors import ProducerError
+from kdcache.errors import as_command
 from kdcache.pipeline.options import SHARED_BY_DEST
 from kdcache.threads import fix_threads
 
@@ -81,17 +82,12 @@ def build_parser(prog="kdcache verify"):
     return p
 
 
+@as_command  # a KdcacheError is one line and exit 2 (could not check); anything else shows as the bug it is
 def main(argv=None, prog="kdcache verify"):
     args = build_parser(prog).parse_args(argv)
     fix_threads(args.threads)  # before MXNet loads: only this limits its threads
-    from kdcache.pipeline.teacher_files import TeacherError
-    from kdcache.pipeline.datasets import DatasetError
-    from kdcache.store import StoreError
     try:
         report = check(args)
-    except (Refused, TeacherError, DatasetError, StoreError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("interrupted: nothing was changed", file=sys.stderr)
         return 130

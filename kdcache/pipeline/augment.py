@@ -80,8 +80,8 @@ class Augment:
                 kw["flip"] = True
             elif colon and head in ("crop", "rrc", "center", "eval"):
                 if {"crop", "rrc", "eval"} & set(kw):
-                    raise ValueError(f"augmentation {spec!r}: one of crop:PAD, rrc:SIZE, center:SIZE and "
-                                     f"eval:RESIZE/SIZE at a time; {_HELP}")
+                    raise PipelineError(f"augmentation {spec!r}: one of crop:PAD, rrc:SIZE, center:SIZE and "
+                                        f"eval:RESIZE/SIZE at a time; {_HELP}")
                 if head == "crop":
                     kw["crop"] = _integer(value, 0, None, spec, "crop padding")
                 elif head == "rrc":
@@ -92,8 +92,8 @@ class Augment:
                 else:
                     resize, slash, crop = value.partition("/")
                     if not slash:
-                        raise ValueError(f"augmentation {spec!r}: write eval:RESIZE/SIZE, e.g. eval:256/224 "
-                                         f"(resize the short side to 256, centre-crop 224x224)")
+                        raise PipelineError(f"augmentation {spec!r}: write eval:RESIZE/SIZE, e.g. eval:256/224 "
+                                            f"(resize the short side to 256, centre-crop 224x224)")
                     size = _size(crop, spec, "eval's SIZE")
                     r = _integer(resize, min(size), MAX_SIZE, spec, "eval's RESIZE (the short side, at least "
                                  "the crop's short side)")
@@ -101,14 +101,14 @@ class Augment:
             elif eq and key.strip() in ("scale", "ratio"):
                 params[key.strip()] = _range(key.strip(), pval, spec)
             else:
-                raise ValueError(f"augmentation {spec!r}: {part!r} is not understood; {_HELP}")
+                raise PipelineError(f"augmentation {spec!r}: {part!r} is not understood; {_HELP}")
         if params and "rrc" not in kw:
             verb = "belong" if len(params) > 1 else "belongs"
-            raise ValueError(f"augmentation {spec!r}: {' and '.join(params)} {verb} to rrc:SIZE (e.g. "
-                             f"rrc:224,scale=0.35-1)")
+            raise PipelineError(f"augmentation {spec!r}: {' and '.join(params)} {verb} to rrc:SIZE (e.g. "
+                                f"rrc:224,scale=0.35-1)")
         if "eval" in kw and kw.get("flip"):
-            raise ValueError(f"augmentation {spec!r}: the evaluation transform is the same for every view; "
-                             f"use it alone, or rrc:SIZE,flip for random views")
+            raise PipelineError(f"augmentation {spec!r}: the evaluation transform is the same for every view; "
+                                f"use it alone, or rrc:SIZE,flip for random views")
         resize, center = kw.get("eval", (0, None))
         return cls(pad=kw.get("crop", 0), flip=kw.get("flip", False), size=kw.get("rrc"),
                    scale=params.get("scale", RRC_SCALE), ratio=params.get("ratio", RRC_RATIO), resize=resize,
@@ -314,8 +314,8 @@ def _integer(word, lo, hi, spec, what):
     except ValueError:
         v = None
     if v is None or v < lo or hi is not None and v > hi:
-        raise ValueError(f"augmentation {spec!r}: {what} must be an integer from {lo}"
-                         f"{f' to {hi}' if hi is not None else ' up'}, not {word.strip()!r}; {_HELP}")
+        raise PipelineError(f"augmentation {spec!r}: {what} must be an integer from {lo}"
+                            f"{f' to {hi}' if hi is not None else ' up'}, not {word.strip()!r}; {_HELP}")
     return v
 
 
@@ -324,8 +324,8 @@ def _size(word, spec, what):
     m = re.fullmatch(r"\s*(\d+)\s*(?:x\s*(\d+)\s*)?", word)
     size = (int(m.group(1)), int(m.group(2) or m.group(1))) if m else None
     if size is None or not all(1 <= v <= MAX_SIZE for v in size):
-        raise ValueError(f"augmentation {spec!r}: {what} must be N or HxW with integers from 1 to {MAX_SIZE}, "
-                         f"not {word.strip()!r} (e.g. rrc:224 or rrc:224x192)")
+        raise PipelineError(f"augmentation {spec!r}: {what} must be N or HxW with integers from 1 to {MAX_SIZE}, "
+                            f"not {word.strip()!r} (e.g. rrc:224 or rrc:224x192)")
     return size
 
 
@@ -341,8 +341,8 @@ def _range(key, word, spec):
     if None in vals or not (0 < vals[0] <= vals[1] <= top) or not math.isfinite(vals[1]):
         what = "0 < A <= B <= 1 (the crop's fraction of the image's area)" if key == "scale" else \
             "0 < A <= B (the crop's width / height)"
-        raise ValueError(f"augmentation {spec!r}: {key}={word.strip()} must be A-B with {what}, e.g. "
-                         f"{key}={'0.35-1' if key == 'scale' else '3/4-4/3'}")
+        raise PipelineError(f"augmentation {spec!r}: {key}={word.strip()} must be A-B with {what}, e.g. "
+                            f"{key}={'0.35-1' if key == 'scale' else '3/4-4/3'}")
     return tuple(vals)
 
 

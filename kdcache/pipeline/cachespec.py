@@ -8,6 +8,7 @@ import os
 from kdcache.store import CacheSpec
 
 from .augment import Augment, UserAugment, is_builtin
+from .errors import PipelineError
 from .user_code import PieceError, is_piece, load_piece
 
 # Bump when the producer's output for the same inputs changes (it is part of every fingerprint).
@@ -42,8 +43,8 @@ def resolve_augment(spec, dataset, views):
         return usual_augment(dataset)
     aug = spec if isinstance(spec, Augment) else Augment.parse(spec)  # as --augment parsed it, or its spec
     if views > 1 and not aug.varies:
-        raise ValueError(f"--views {views} with --augment {aug.spec}: every view would be the same image; "
-                         f"name an augmentation (e.g. --augment crop:4,flip) or use --views 1")
+        raise PipelineError(f"--views {views} with --augment {aug.spec}: every view would be the same image; "
+                            f"name an augmentation (e.g. --augment crop:4,flip) or use --views 1")
     return aug
 
 

@@ -30,6 +30,7 @@ import signal
 
 import numpy as np
 
+from kdcache.errors import KdcacheError
 from kdcache.store.format.items import unknown
 
 from .digests import item_records
@@ -40,7 +41,7 @@ SLOT_BYTES = 256 << 20  # one result's room in a worker's shared arena (virtual:
 STOP_WAIT_S = 5.0  # a worker gets this long to leave after its pipes close, then SIGKILL
 
 
-class DecodeWorkerError(ValueError):
+class DecodeWorkerError(KdcacheError, ValueError):
     """A decode worker process died or stopped answering; the message says how and what to do."""
 
 

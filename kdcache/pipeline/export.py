@@ -15,6 +15,7 @@ import os
 import sys
 
 from kdcache.args import Dir, Int, Option, Parser, add_options
+from kdcache.errors import as_command
 from kdcache.pipeline.errors import PipelineError
 
 DESCRIPTION = __doc__.split("\n\n")[0].split(": ", 1)[1]
@@ -77,6 +78,7 @@ def export(dataset, out, *, per_class=None, fmt="png", quality=95, progress=None
     return len(idx)
 
 
+@as_command  # a KdcacheError (a data set's) is one line and exit 2; anything else shows as the bug it is
 def main(argv=None):
     p = Parser(prog="python -m kdcache.pipeline.export", description=DESCRIPTION)
     add_options(p, OPTIONS)
@@ -90,7 +92,7 @@ def main(argv=None):
             ds = load_dataset(args.dataset, data_root=args.data_root, split=split)
             n = export(ds, args.out, per_class=args.per_class, fmt=args.format, quality=args.quality)
             print(f"{os.path.join(args.out, split)}: {n} images of {ds.num_classes} classes", flush=True)
-    except (PipelineError, OSError) as e:  # DatasetError is one
+    except OSError as e:  # writing the images into --out (a full disk, a folder not writable): the user's to fix
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:

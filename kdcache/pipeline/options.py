@@ -13,6 +13,7 @@ import sys
 from typing import NamedTuple
 
 from kdcache.args import Allowed, Dir, Floats, Int, Name, Option, Path, Size, fail, option_table
+from kdcache.errors import as_command
 
 from .augment import Augment
 
@@ -264,6 +265,7 @@ def check_views(args, parser):
                      f"({args.views} copies); name a random augmentation (--augment crop:4,flip) or use --views 1")
 
 
+@as_command
 def main(argv=None, prog="python -m kdcache.pipeline.options"):
     """Print the shared options: flag, default, Make variable, allowed values."""
     from kdcache.args import Parser

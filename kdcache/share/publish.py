@@ -6,6 +6,7 @@ import os
 import sys
 
 from kdcache.args import Dir, Parser
+from kdcache.errors import KdcacheError, as_command
 from kdcache.store.folder import registry
 from kdcache.store.errors import StoreError
 from kdcache.store.format.fingerprint import is_fingerprint
@@ -200,6 +201,7 @@ def _publish(cache, dest, *, cache_dir, url, teacher, progress, command):
             "pull": f"kdcache pull {where} --expect-sha256 {sha}"}
 
 
+@as_command  # a KdcacheError is one line and exit 2; anything else shows as the bug it is
 def main(argv=None, prog="kdcache publish"):
     p = Parser(prog=prog, description=(
         "Publish a finished cache: its file, unchanged, a manifest.json (every file's size and sha256, the cache's "
@@ -221,10 +223,9 @@ def main(argv=None, prog="kdcache publish"):
         out = publish(args.cache, args.dest, cache_dir=args.cache_dir, url=args.url, teacher=args.teacher,
                       progress=not args.quiet,
                       command=" ".join([prog] + list(sys.argv[2:] if argv is None else argv)))
-    except StoreError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:
+    except KdcacheError:
+        raise  # its one line (as_command); before OSError: CacheNotFoundError is one too
+    except OSError as e:  # the destination's (unwritable, unreachable, full): the user's to fix, as one line
         print(f"error: {args.dest}: {e.strerror or e} ({type(e).__name__}): check the destination and run the same "
               f"command again", file=sys.stderr)
         return 2

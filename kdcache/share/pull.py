@@ -22,6 +22,7 @@ import os
 import sys
 
 from kdcache.args import Dir, Float, Parser
+from kdcache.errors import KdcacheError, as_command
 from kdcache.store.errors import NewerFormatError, StoreError
 from kdcache.store.build.settle import locked, remote_holders, settle
 from kdcache.store.osutil import fsync_dir, write_atomic
@@ -335,6 +336,7 @@ def _staged_bytes(stage, entry):
     return 0
 
 
+@as_command  # a KdcacheError is one line and exit 2; anything else shows as the bug it is
 def main(argv=None, prog="kdcache pull"):
     p = Parser(prog=prog, description=(
         "Fetch a published cache (a folder kdcache publish wrote, local or served: https://, http:// and other "
@@ -353,10 +355,9 @@ def main(argv=None, prog="kdcache pull"):
     try:
         out = pull(args.src, cache_dir=args.cache_dir, expect_sha256=args.expect_sha256, timeout=args.timeout,
                    progress=not args.quiet)
-    except StoreError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:
+    except KdcacheError:
+        raise  # its one line (as_command); before OSError: CacheNotFoundError is one too
+    except OSError as e:  # the source's or the cache directory's (unreachable, unwritable, full): the user's to fix
         print(f"error: {args.src}: {e.strerror or e} ({type(e).__name__}): check the cache directory and run the "
               f"same command again", file=sys.stderr)
         return 2

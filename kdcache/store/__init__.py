@@ -6,6 +6,9 @@ from .format.codec import make_codec
 from .errors import (BadInputError, CacheNotFoundError, ConsumerGoneError, DamagedFileError, FingerprintMismatchError,
                      MissingTargetsError, ProducerGoneError, StoreError, UnsupportedFormatError,
                      WriterBusyError)
+from .errors import CacheChangedError, DamagedRowsError, NewerFormatError, NoSpaceError
+from .osutil import NotTrusted
+from .files.parts import PartConflictError
 from .format.fingerprint import file_digest, fingerprint
 from .read.reader import CacheReader
 from .derive.ensemble import EnsembleReader
@@ -17,4 +20,6 @@ from .build.writer import CacheWriter, finalize
 __all__ = ["CacheSpec", "CacheWriter", "CacheReader", "EnsembleReader", "finalize", "make_codec", "fingerprint",
            "file_digest", "path_for", "resolve_cache_dir", "FORMAT_VERSION", "StoreError",
            "BadInputError", "CacheNotFoundError", "ConsumerGoneError", "DamagedFileError", "FingerprintMismatchError",
-           "MissingTargetsError", "ProducerGoneError", "UnsupportedFormatError", "WriterBusyError"]
+           "MissingTargetsError", "ProducerGoneError", "UnsupportedFormatError", "WriterBusyError",
+           "CacheChangedError", "DamagedRowsError", "NewerFormatError", "NoSpaceError", "NotTrusted",
+           "PartConflictError"]

@@ -6,6 +6,7 @@ import os
 import sys
 
 from kdcache.args import ByteSize, Dir, Float, Parser, human_bytes
+from kdcache.errors import as_command
 
 from .folder import registry
 from .errors import StoreError
@@ -152,6 +153,7 @@ def cmd_gc(args):
     return 0
 
 
+@as_command  # a StoreError is one line and exit 2 (verify: could not check); anything else shows as the bug it is
 def main(argv=None, prog="python -m kdcache.store"):
     p = Parser(prog=prog, description=(
         "Inspect and maintain kdcache soft-target caches. A cache is named by its fingerprint: "
@@ -182,20 +184,8 @@ def main(argv=None, prog="python -m kdcache.store"):
         s.add_argument("--cache-dir", type=Dir(), default=argparse.SUPPRESS, help=argparse.SUPPRESS)
         s.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    try:
-        return args.fn(args)
-    except StoreError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except Exception as e:
-        if args.fn is not cmd_verify:
-            raise  # a bug in kdcache shows as one
-        # verify's exit status is a verdict: 0 sound, 1 not sound, 2 could not check -- never 1 for a crash
-        import traceback
-        traceback.print_exc()
-        print(f"error: could not check {args.path} ({type(e).__name__}): this is a bug in kdcache, please report it "
-              f"with the lines above", file=sys.stderr)
-        return 2
+    # verify's exit status is a verdict: 0 sound, 1 NOT sound, 2 could not check; a crash is errors.BUG, never 1
+    return args.fn(args)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Typed errors of the soft-target store; every message names the cause and the fix."""
+from kdcache.errors import KdcacheError
 
 
-class StoreError(Exception):
+class StoreError(KdcacheError):
     """Base class: anything a user can cause when building or reading a cache."""
 
 

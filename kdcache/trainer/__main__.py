@@ -9,6 +9,8 @@ import sys
 import time
 import traceback
 
+from kdcache.errors import as_command
+
 
 def recipe_line(r):
     """The optimiser and its schedule in one line: sgd lr 0.1 momentum 0.9 wd 0.0001, cosine, warm-up 1 epoch(s)."""
@@ -57,6 +59,7 @@ def main(argv=None, prog="python -m kdcache.trainer"):
     return code
 
 
+@as_command  # a KdcacheError is one line and exit 2; anything else shows as the bug it is
 def train_main(argv=None, prog="python -m kdcache.trainer"):
     from kdcache.trainer.options import parse_args
     args = parse_args(argv, prog)
@@ -82,10 +85,6 @@ def train_main(argv=None, prog="python -m kdcache.trainer"):
         else None
     if note:
         logging.getLogger("kdcache.trainer").warning(note)
-    from kdcache.pipeline.teacher_files import TeacherError
-    from kdcache.pipeline.datasets import DatasetError
-    from kdcache.store import StoreError
-    from kdcache.trainer.errors import TrainError
     from kdcache.trainer.run_plan import MXNET_DATASETS, make_plan
     from kdcache.trainer.targets import Targets, split_threads
     from kdcache.threads import fix_threads
@@ -121,9 +120,6 @@ def train_main(argv=None, prog="python -m kdcache.trainer"):
         targets.settle(args, plan)
         from kdcache.trainer.train import run
         m, run_dir = run(args, plan, targets, threads, cores)
-    except (TrainError, StoreError, DatasetError, TeacherError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt as e:
         from kdcache.pipeline.interrupts import exit_status, stop_word
         print(f"{stop_word(e)}: the last finished epoch is checkpointed; continue with the same command and "

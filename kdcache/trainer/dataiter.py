@@ -16,10 +16,12 @@ import logging
 import mxnet as mx
 import numpy as np
 
+from kdcache.errors import BadTypeError
 from kdcache.pipeline.augment import Augment, as_augment, make_views
 from kdcache.pipeline.schedule import epoch_batches, view_of_epoch
 from kdcache.store.format.schema import index_error
 from kdcache.trainer.defaults import DEFAULT_ALPHA, DEFAULT_TEMPERATURE
+from kdcache.trainer.errors import BadValueError
 from kdcache.trainer.itemcheck import EAGER, ItemCheck
 from kdcache.trainer.loss import check_targets, kd_formula, temperature_of
 
@@ -120,22 +122,22 @@ class SoftTargetIter(mx.io.DataIter):
     def _next_wrapped(self):
         b = self.inner.next()
         if b.index is None:
-            raise ValueError(f"{type(self.inner).__name__} gives no sample indices (batch.index is None), so the soft "
-                             f"targets cannot be matched to its samples: use an iterator that does (mx.io.ImageRecordIter_v1 "
-                             f"over a .rec with its .idx, path_imgidx=...), or SoftTargetIter(dataset, ...) over a "
-                             f"kdcache data set")
+            raise BadValueError(f"{type(self.inner).__name__} gives no sample indices (batch.index is None), so the "
+                                f"soft targets cannot be matched to its samples: use an iterator that does "
+                                f"(mx.io.ImageRecordIter_v1 over a .rec with its .idx, path_imgidx=...), or "
+                                f"SoftTargetIter(dataset, ...) over a kdcache data set")
         index = np.asarray(b.index.asnumpy() if hasattr(b.index, "asnumpy") else b.index).astype(np.int64).reshape(-1)
         if index.size - (b.pad or 0) > 1 and not index.any():
-            raise ValueError(f"{type(self.inner).__name__} reports index 0 for every sample of a batch, as MXNet 1.x's "
-                             f"ImageRecordIter does (it never fills the index in): use mx.io.ImageRecordIter_v1 with "
-                             f"the same arguments, which reports each record's index")
+            raise BadValueError(f"{type(self.inner).__name__} reports index 0 for every sample of a batch, as MXNet "
+                                f"1.x's ImageRecordIter does (it never fills the index in): use "
+                                f"mx.io.ImageRecordIter_v1 with the same arguments, which reports each record's index")
         if self._keys is not None:
             ks, pos = self._keys
             at = np.minimum(np.searchsorted(ks, index), ks.size - 1)
             if ks.size == 0 or not np.array_equal(ks[at], index):
                 bad = index[ks[at] != index][:5].tolist() if ks.size else index[:5].tolist()
-                raise ValueError(f"the iterator gave record keys {bad}, which are not among the cache's keys: "
-                                 f"the cache was built from another .idx")
+                raise BadValueError(f"the iterator gave record keys {bad}, which are not among the cache's keys: "
+                                    f"the cache was built from another .idx")
             index = pos[at]
         # The indices are checked before anything is sized by them (the augmentation probe keeps one
         # value per sample up to the largest index): an index of 2e8 is a range error, not 1.6 GB.
@@ -200,16 +202,16 @@ class _ItemSource:
 
     def __init__(self, items, targets):
         if not (hasattr(items, "__getitem__") and hasattr(items, "__len__")):
-            raise TypeError(f"SoftTargetIter takes a data set (a gluon Dataset of (image, label) items, or a "
-                            f"kdcache data set) or an mx.io.DataIter whose batches carry `index`; got "
-                            f"{type(items).__name__}")
+            raise BadTypeError(f"SoftTargetIter takes a data set (a gluon Dataset of (image, label) items, or a "
+                               f"kdcache data set) or an mx.io.DataIter whose batches carry `index`; got "
+                               f"{type(items).__name__}")
         spec = getattr(targets, "spec", None)
         if spec is None:
-            raise TypeError("SoftTargetIter over a gluon Dataset needs `targets` with a .spec (a CacheReader): "
-                            "the class count and the sample count come from the cache")
+            raise BadTypeError("SoftTargetIter over a gluon Dataset needs `targets` with a .spec (a CacheReader): "
+                               "the class count and the sample count come from the cache")
         if len(items) != spec.num_samples:
-            raise ValueError(f"the data set has {len(items)} items, the cache holds targets for {spec.num_samples} "
-                             f"samples: pass the data set the cache was built from")
+            raise BadValueError(f"the data set has {len(items)} items, the cache holds targets for {spec.num_samples} "
+                                f"samples: pass the data set the cache was built from")
         self.items, self.num_classes, self.name = items, int(spec.num_classes), type(items).__name__
         self.shape = tuple(self._item(0)[0].shape)
         self.targets = targets
@@ -225,12 +227,12 @@ class _ItemSource:
     def _item(self, i):
         item = self.items[int(i)]
         if not isinstance(item, (tuple, list)) or len(item) < 2:
-            raise TypeError(f"item {int(i)} of {self.name} is {type(item).__name__}, not (image, label)")
+            raise BadTypeError(f"item {int(i)} of {self.name} is {type(item).__name__}, not (image, label)")
         x = item[0].asnumpy() if hasattr(item[0], "asnumpy") else np.asarray(item[0])
         y = item[1].asscalar() if hasattr(item[1], "asscalar") else item[1]
         if x.ndim != 3:
-            raise ValueError(f"item {int(i)} of {self.name}: image of shape {x.shape}, not [C, H, W] (transform "
-                             f"it, e.g. with gluon.data.vision.transforms.ToTensor)")
+            raise BadValueError(f"item {int(i)} of {self.name}: image of shape {x.shape}, not [C, H, W] (transform "
+                                f"it, e.g. with gluon.data.vision.transforms.ToTensor)")
         return x.astype(np.float32, copy=False), int(y)
 
     def __len__(self):

@@ -25,6 +25,7 @@ import time
 
 from kdcache import signals
 from kdcache.args import Allowed, Int, Option, Parser, add_options, fail
+from kdcache.errors import BUG, USER_ERROR, as_command
 from kdcache.pipeline.child_setup import before_exec
 
 # The folder that holds the kdcache package: a checkout that is not installed finds it through this.
@@ -96,6 +97,7 @@ def parse_args(argv=None, prog="python -m kdcache.trainer.launch"):
     return args, rest
 
 
+@as_command  # a KdcacheError is one line and exit 2; anything else shows as the bug it is
 def main(argv=None, prog="python -m kdcache.trainer.launch"):
     args, rest = parse_args(argv, prog)
     cores = len(os.sched_getaffinity(0))
@@ -173,7 +175,7 @@ def main(argv=None, prog="python -m kdcache.trainer.launch"):
                 print(f"error: {what}; the other processes were stopped (a dist_sync job cannot go on without "
                       f"every worker). Fix the cause and run again (--resume --run NAME continues from the last "
                       f"finished epoch)", file=sys.stderr)
-                return 2
+                return BUG if BUG in codes else USER_ERROR  # a worker's bug (its traceback above) is one here too
             if all(c == 0 for c in codes):
                 break
             signals.sleep(0.2)

@@ -25,6 +25,7 @@ from kdcache.args import Temperature
 from kdcache.store.format.schema import name_keys
 from kdcache.trainer.defaults import DEFAULT_ALPHA, DEFAULT_TEMPERATURE
 from kdcache.trainer.errors import TrainError
+from kdcache.trainer.errors import BadValueError
 
 
 class NonFiniteError(TrainError, ValueError):
@@ -145,7 +146,7 @@ class KDLoss(gluon.loss.Loss):
 def temperature_of(value):
     """The KD temperature as a float, checked as the command line checks --temperature (kdcache.args.Temperature):
     ValueError in one line outside 0.01 to 1000."""
-    return Temperature().coerce(value, "temperature", error=ValueError)
+    return Temperature().coerce(value, "temperature", error=BadValueError)
 
 
 def kd_formula(F, student, teacher, label, *, temperature, alpha):

@@ -18,6 +18,7 @@ import time
 
 from kdcache import signals
 from kdcache.args import Float, Int, Option, Parser, add_options, fail
+from kdcache.errors import as_command
 from kdcache.pipeline.options import SHARED_BY_DEST, check_data_applies
 from kdcache.threads import fix_threads
 from kdcache.trainer.options import Student, zoo_names
@@ -67,9 +68,10 @@ def train_teacher(dataset, test, *, arch="digits_teacher", epochs=40, batch_size
     from mxnet import autograd, gluon
 
     from kdcache.pipeline.augment import as_augment, eval_views
+    from kdcache.trainer.errors import BadValueError
     from kdcache.trainer.models import TEACHER_NETS, get_model
     if schedule not in ("cosine", "constant"):
-        raise ValueError(f"learning-rate schedule {schedule!r}: use cosine or constant")
+        raise BadValueError(f"learning-rate schedule {schedule!r}: use cosine or constant")
     aug = as_augment(augment)  # an Augment as --augment parsed it, or its spec string
     test = eval_views(test, aug)
     mx.random.seed(seed)
@@ -173,6 +175,7 @@ TEACHER = [
     Option("--quiet", "no line per epoch (the test split is then evaluated once, at the end)", action="store_true",
            group="teacher"),
 ]
+@as_command  # a KdcacheError (a data set's, an augmentation's) is one line and exit 2; anything else shows as a bug
 def main(argv=None, prog="python -m kdcache.trainer.make_teacher"):
     p = Parser(prog=prog, description=__doc__.split("\n\n")[0])
     add_options(p, TEACHER)
@@ -196,19 +199,14 @@ def main(argv=None, prog="python -m kdcache.trainer.make_teacher"):
     try:
         from kdcache.pipeline.cachespec import resolve_augment, usual_augment
         from kdcache.pipeline.datasets import load_dataset
-        from kdcache.pipeline.errors import PipelineError
-        try:
-            kw = dict(data_root=args.data_root, image_size=args.image_size, num_classes=args.num_classes)
-            train = load_dataset(args.dataset, split="train", **kw)
-            test = load_dataset(args.dataset, split="test", **kw)
-            if args.augment == "auto":
-                args.augment = usual_augment(train)
-            elif isinstance(args.augment, str):  # MODULE:FUNCTION: loaded, and run once, before any training
-                args.augment = resolve_augment(args.augment, train, 1)
-                args.augment.check(train, args.seed)
-        except PipelineError as e:  # a data set's, or a user's augmentation's, one line
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+        kw = dict(data_root=args.data_root, image_size=args.image_size, num_classes=args.num_classes)
+        train = load_dataset(args.dataset, split="train", **kw)
+        test = load_dataset(args.dataset, split="test", **kw)
+        if args.augment == "auto":
+            args.augment = usual_augment(train)
+        elif isinstance(args.augment, str):  # MODULE:FUNCTION: loaded, and run once, before any training
+            args.augment = resolve_augment(args.augment, train, 1)
+            args.augment.check(train, args.seed)
         if train.num_classes != test.num_classes:
             print(f"error: the train split has {train.num_classes} classes, the test split {test.num_classes}: "
                   f"the two splits must have the same classes", file=sys.stderr)
@@ -217,12 +215,8 @@ def main(argv=None, prog="python -m kdcache.trainer.make_teacher"):
                      args.arch, args.dataset, len(train), len(test), train.num_classes,
                      "x".join(map(str, train.shape)), args.epochs, args.augment.spec)
         t0 = time.perf_counter()
-        try:
-            net, acc = train_teacher(train, test, arch=args.arch, epochs=args.epochs, lr=args.lr, seed=args.seed,
-                                     augment=args.augment, schedule=args.schedule, progress=not args.quiet)
-        except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+        net, acc = train_teacher(train, test, arch=args.arch, epochs=args.epochs, lr=args.lr, seed=args.seed,
+                                 augment=args.augment, schedule=args.schedule, progress=not args.quiet)
         signals.check()  # the last stop before the export
     except KeyboardInterrupt as e:
         print(f"{signals.stop_word(e)}: no teacher was written; run the same command again", file=sys.stderr)

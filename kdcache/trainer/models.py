@@ -1,6 +1,8 @@
 """Networks: the default digits teacher, small built-in students, and Gluon model-zoo students."""
 from mxnet import gluon
 
+from kdcache.trainer.errors import BadValueError
+
 
 def _conv_teacher(features, hidden, classes, prefix):
     """The teachers' shape: the convolutions and poolings `features` ("C<width>": a 3x3 ReLU convolution,
@@ -111,8 +113,8 @@ def get_model(name, classes, prefix="student_"):
     try:
         return vision.get_model(name, classes=classes, pretrained=False, prefix=prefix)
     except ValueError:
-        raise ValueError(f"unknown network {name!r}: use one of {', '.join(BUILTIN)} or a Gluon model-zoo "
-                         f"name such as resnet18_v1, mobilenet0.25") from None
+        raise BadValueError(f"unknown network {name!r}: use one of {', '.join(BUILTIN)} or a Gluon model-zoo "
+                            f"name such as resnet18_v1, mobilenet0.25") from None
 
 
 def check_student(net, name, x, classes):
@@ -122,7 +124,7 @@ def check_student(net, name, x, classes):
     import mxnet as mx
     from kdcache.pipeline.images import _mxnet_reason
     from kdcache.pipeline.user_code import PieceError, is_piece
-    err = PieceError if is_piece(name) else ValueError
+    err = PieceError if is_piece(name) else BadValueError
     try:
         out = net(x)
         shape = tuple(out.shape) if isinstance(out, mx.nd.NDArray) else None

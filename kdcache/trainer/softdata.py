@@ -25,9 +25,11 @@ import warnings
 import numpy as np
 from mxnet import gluon
 
+from kdcache.errors import BadTypeError
 from kdcache.pipeline.augment import apply_one, as_augment
 from kdcache.store import CacheReader, StoreError
 from kdcache.store.derive.ensemble import EnsembleReader
+from kdcache.trainer.errors import BadValueError
 from kdcache.trainer.itemcheck import EAGER, ItemCheck
 from kdcache.trainer.loss import check_targets
 
@@ -133,7 +135,7 @@ class SoftTargetDataset(gluon.data.Dataset):
     def set_epoch(self, epoch):
         """Select the epoch: its items are view (epoch mod views) of every sample."""
         if int(epoch) < 0:
-            raise ValueError(f"epoch {epoch} < 0")
+            raise BadValueError(f"epoch {epoch} < 0: epochs count from 0")
         self._epoch.value = int(epoch)
 
     @property
@@ -176,7 +178,8 @@ class SoftTargetDataset(gluon.data.Dataset):
         """Item i of the data set: (image float32, label), before augmentation."""
         item = self.dataset[i]
         if not isinstance(item, (tuple, list)) or len(item) < 2:
-            raise TypeError(f"item {i} of {type(self.dataset).__name__} is {type(item).__name__}, not (image, label)")
+            raise BadTypeError(f"item {i} of {type(self.dataset).__name__} is {type(item).__name__}, not "
+                               f"(image, label)")
         image, label = item[0], item[1]
         return np.asarray(image.asnumpy() if hasattr(image, "asnumpy") else image, dtype=np.float32), label
 

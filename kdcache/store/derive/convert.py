@@ -31,6 +31,7 @@ import os
 import sys
 
 from kdcache.args import Dir, Parser
+from kdcache.errors import as_command, refused
 
 from ..format.codec import make_codec
 from ..build.compact import _is_full, free_space, reserve, space_needed
@@ -182,6 +183,7 @@ def _reserve_space(out, spec, memory_budget):
             pass
 
 
+@as_command  # a KdcacheError is one line and exit 2; anything else shows as the bug it is
 def main(argv=None, prog="python -m kdcache.store.derive.convert"):
     p = Parser(prog=prog, description=(
         "Write a cache in another codec or dtype from a finished cache, without running the teacher: every row "
@@ -203,8 +205,7 @@ def main(argv=None, prog="python -m kdcache.store.derive.convert"):
     try:
         result = convert(args.cache, args.codec, args.dtype, cache_dir=args.cache_dir)
     except StoreError as e:
-        print(f"error: {e}", file=sys.stderr)
-        exit_at_once(2)  # NOTE [a full disk, converting]
+        exit_at_once(refused(e))  # NOTE [a full disk, converting]
     if args.json:
         print(json.dumps(result))
     else:

@@ -4,6 +4,8 @@ import hashlib
 import json
 import os
 
+from kdcache.errors import BadTypeError
+
 from .schema import KEY_FORMAT
 
 FINGERPRINT_HEX = 20  # 80 bits: collisions are not a practical concern for a cache directory
@@ -23,8 +25,8 @@ def canonical(inputs):
             return clean(v.item())
         if isinstance(v, (str, int, float, bool)):
             return v
-        raise TypeError(f"fingerprint input {v!r} ({type(v).__name__}) is not plain data: "
-                        "pass strings, numbers, lists or dicts")
+        raise BadTypeError(f"fingerprint input {v!r} ({type(v).__name__}) is not plain data: "
+                           "pass strings, numbers, lists or dicts")
     return json.dumps(clean(inputs), sort_keys=True, separators=(",", ":"))
 
 

@@ -55,7 +55,7 @@ BENCHMARKS = {
 # block name -> (module, the list of kdcache.args.Option it declares): each command's options with their help
 OPTIONS = {
     "options.shared": ("kdcache.pipeline.options", "SHARED"),
-    "options.producer": ("kdcache.cache_builder.__main__", "PRODUCER"),
+    "options.producer": ("kdcache.cache_builder.options", "PRODUCER"),
     "options.trainer": ("kdcache.trainer.options", "TRAINER"),
     "options.teacher": ("kdcache.trainer.make_teacher", "TEACHER"),
     "options.launcher": ("kdcache.trainer.launch", "LAUNCHER"),

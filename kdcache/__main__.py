@@ -1,6 +1,6 @@
 """python -m kdcache: the same as the `kdcache` command."""
-import sys
+if __name__ == "__main__":
+    import sys
 
-from kdcache.cli import entry
-
-sys.exit(entry())
+    from kdcache.cli import entry
+    sys.exit(entry())

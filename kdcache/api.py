@@ -90,7 +90,7 @@ def _check_export(teacher, prefix):
 
 def _argv(teacher: str, dataset: str, options: dict) -> list:
     """The producer's command line for these inputs, each value written by its option's own type."""
-    from kdcache.cache_builder.__main__ import PRODUCER
+    from kdcache.cache_builder.options import PRODUCER
     from kdcache.pipeline.options import SHARED
     declared = {o.dest: o for o in SHARED + PRODUCER}
     argv = [f"--teacher={teacher}", f"--dataset={dataset}"]
@@ -157,7 +157,7 @@ def cache_path(teacher: Union[str, Any], dataset: str, *, views: int = 1, augmen
     """The path (P.h5) the cache for these inputs has once built: build_cache's, and `kdcache cache`'s.
     It may not exist yet. Same arguments as build_cache; nothing is run (the data set is loaded and
     the teacher's files are hashed, as the producer does to name the cache)."""
-    from kdcache.cache_builder.__main__ import parse_args
+    from kdcache.cache_builder.options import parse_args
     from kdcache.pipeline.cachespec import spec_from_args
     from kdcache.pipeline.teacher_files import TeacherOptions
     from kdcache.store import path_for

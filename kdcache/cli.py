@@ -10,16 +10,16 @@ from kdcache.errors import as_command
 # name -> (module whose main(argv, prog) runs it, what it does); main(argv, prog) of each module.
 COMMANDS = {
     "teacher": ("kdcache.trainer.make_teacher", "train a teacher on a data set and export it as MXNet checkpoint files"),
-    "cache": ("kdcache.cache_builder.__main__", "run the teacher on the CPU and fill its soft-target cache (offline, "
+    "cache": ("kdcache.cache_builder.command", "run the teacher on the CPU and fill its soft-target cache (offline, "
                                         "--online following the training schedule, or --ring)"),
-    "train": ("kdcache.trainer.__main__", "train a student with KD from the cache (starts a producer when needed)"),
+    "train": ("kdcache.trainer.command", "train a student with KD from the cache (starts a producer when needed)"),
     "launch": ("kdcache.trainer.launch", "distributed training: scheduler, server and workers (dist_sync) on this "
                                  "machine"),
-    "ls": ("kdcache.store.__main__", "list the caches in the cache directory"),
-    "inspect": ("kdcache.store.__main__", "print all metadata of one cache"),
-    "verify": ("kdcache.store.__main__", "check a cache's schema, flags, values and completeness (--teacher: and its "
+    "ls": ("kdcache.store.command", "list the caches in the cache directory"),
+    "inspect": ("kdcache.store.command", "print all metadata of one cache"),
+    "verify": ("kdcache.store.command", "check a cache's schema, flags, values and completeness (--teacher: and its "
                                  "logits against the teacher, on sampled keys)"),
-    "gc": ("kdcache.store.__main__", "remove incomplete, damaged or unused caches and stale shared-memory rings"),
+    "gc": ("kdcache.store.command", "remove incomplete, damaged or unused caches and stale shared-memory rings"),
     "convert": ("kdcache.store.derive.convert", "write a cache in another codec or dtype from a finished one, without the "
                                          "teacher (prints its path)"),
     "publish": ("kdcache.share.publish", "write a finished cache, its manifest.json and a README.md card to a folder or "

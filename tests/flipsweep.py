@@ -20,7 +20,7 @@ import traceback
 import numpy as np
 
 from kdcache.store import CacheReader, CacheWriter, StoreError
-from kdcache.store.__main__ import main as store_main
+from kdcache.store.command import main as store_main
 from kdcache.store.errors import DamagedFileError
 from kdcache.store.files.segment import final_spec
 from tests.helpers import flip

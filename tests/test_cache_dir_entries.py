@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from kdcache.store import CacheReader, CacheWriter, path_for
 from kdcache.store.format import schema
-from kdcache.store import __main__ as store_main
+from kdcache.store import command as store_main
 from kdcache.store.read.demand import Demand
 from kdcache.store.errors import StoreError
 from tests.conftest import ROOT

@@ -365,7 +365,7 @@ GC_SLOW = """
 import sys, time
 import kdcache.store.files.paths
 from kdcache import store
-from kdcache.store.__main__ import main
+from kdcache.store.command import main
 finish, renamed = store.files.paths.finish_discard, sys.argv[2]
 def slow(aside):
     open(renamed, "w").close()

@@ -47,7 +47,7 @@ def test_a_make_variable_that_names_no_option_is_an_error_naming_those_that_exis
 
 @pytest.mark.skipif(MAKE is None, reason="no make")
 def test_every_declared_make_variable_is_one_the_makefile_takes():
-    from kdcache.cache_builder.__main__ import PRODUCER
+    from kdcache.cache_builder.options import PRODUCER
     from kdcache.pipeline.options import SHARED
     from kdcache.trainer.options import TRAINER
     r = make("--eval", "print-variables: ; @echo $(VARIABLES)", "print-variables")

@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from kdcache.cache_builder.__main__ import HOLD_LINE_MAX, await_cache
+from kdcache.cache_builder.runs import HOLD_LINE_MAX, await_cache
 from tests.helpers import CHILD_ENV, gluon_teacher
 
 FP = "0123456789abcdef"

@@ -90,6 +90,22 @@ def test_the_stores_folders_import_only_downwards():
     assert folders == {p for layer in STORE_LAYERS for p in layer} - {"errors", "osutil"}, folders
 
 
+def test_nothing_imports_a_main_module_and_each_is_an_entry_point_only():
+    """A command's code lives in a module anyone may import (its options, its runs, its entry point); its
+    `__main__.py` only calls that entry point, so importing a package's command never runs it."""
+    from kdcache.cli import COMMANDS, TEACHER_VERIFY
+    known = modules()
+    importers = [f"{name} -> {dep}" for name, path in known.items() for dep in imports(name, path, known)
+                 if dep.rsplit(".", 1)[-1] == "__main__"]
+    assert not importers, f"modules that import a __main__ module: {importers}"
+    dispatched = [m for m, _ in COMMANDS.values()] + [TEACHER_VERIFY]
+    assert not [m for m in dispatched if m.endswith("__main__")], dispatched
+    for name, path in known.items():
+        if name.startswith("kdcache.") and name.endswith(".__main__"):
+            body = [n for n in ast.parse(open(path).read()).body if not isinstance(n, ast.Expr)]  # the docstring
+            assert len(body) == 1 and isinstance(body[0], ast.If), f"{path}: more than the entry point's call"
+
+
 def in_package(name, pkg):
     return name == pkg or name.startswith(pkg + ".")
 

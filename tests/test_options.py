@@ -20,7 +20,7 @@ KDCACHE = [sys.executable, "-m", "kdcache"]
 
 
 def parsers():
-    import kdcache.cache_builder.__main__ as producer
+    import kdcache.cache_builder.options as producer
     from kdcache.trainer.options import build_parser
     return producer.build_parser(), build_parser()
 
@@ -91,7 +91,7 @@ def makefile_pairs():
 
 
 def test_the_makefile_restates_no_default_and_names_each_flag_as_declared():
-    import kdcache.cache_builder.__main__ as producer
+    import kdcache.cache_builder.options as producer
     from kdcache.pipeline.options import SHARED
     from kdcache.trainer.launch import LAUNCHER
     from kdcache.trainer.options import TRAINER

@@ -85,7 +85,7 @@ def test_the_dataset_function_contract_as_stated_holds(tmp_path, monkeypatch):
 # --- options named in error lines -----------------------------------------------------------
 def command_flags():
     """{command: the flags its parser takes} for the commands that load a data set or a cache's inputs."""
-    from kdcache.cache_builder.__main__ import PRODUCER
+    from kdcache.cache_builder.options import PRODUCER
     from kdcache.cache_builder.teacher_check import build_parser
     from kdcache.pipeline.options import SHARED
     from kdcache.trainer.make_teacher import TEACHER
@@ -103,7 +103,7 @@ REACHES = {
                 "kdcache/pipeline/cachespec.py"],
     "verify": ["kdcache/cache_builder/teacher_check.py", "kdcache/pipeline/images.py", "kdcache/pipeline/dataset_base.py",
                "kdcache/pipeline/digests.py"],
-    "cache": ["kdcache/cache_builder/__main__.py", "kdcache/pipeline/datasets.py", "kdcache/pipeline/images.py",
+    "cache": ["kdcache/cache_builder/command.py", "kdcache/cache_builder/options.py", "kdcache/cache_builder/runs.py", "kdcache/pipeline/datasets.py", "kdcache/pipeline/images.py",
               "kdcache/pipeline/decode_workers.py", "kdcache/pipeline/dataset_base.py", "kdcache/pipeline/digests.py",
               "kdcache/pipeline/augment.py", "kdcache/pipeline/cachespec.py"],
 }

@@ -321,7 +321,7 @@ def declaring_1e11_rows(d):
 MEASURE = """
 import contextlib, io, json, resource, sys, time
 from kdcache.store import CacheReader, StoreError
-from kdcache.store.__main__ import main
+from kdcache.store.command import main
 peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 out, rss0 = {}, peak()
 for tool in ("verify", "inspect", "reader"):

@@ -61,7 +61,7 @@ def test_decoding_in_a_process_with_one_thread_keeps_to_one_core(photos):
 def test_every_command_that_loads_mxnet_fixes_its_threads_first():
     """The producer, the trainer, the teacher trainer and verify each set the threads through
     fix_threads, before their first MXNet import."""
-    for path in ("kdcache/cache_builder/__main__.py", "kdcache/trainer/__main__.py",
+    for path in ("kdcache/cache_builder/command.py", "kdcache/trainer/command.py",
                  "kdcache/trainer/make_teacher.py", "kdcache/cache_builder/teacher_check.py"):
         text = open(os.path.join(ROOT, path)).read()
         assert "fix_threads(" in text and 'os.environ["OMP_NUM_THREADS"]' not in text, path

@@ -121,7 +121,7 @@ def student(classes):
 def child_produce(a):
     """produce_offline (demand on or off) into the cache `python -m kdcache.cache_builder --cache PATH` would fill."""
     import kdcache.cache_builder.produce as produce
-    from kdcache.cache_builder.__main__ import parse_args as producer_args
+    from kdcache.cache_builder.options import parse_args as producer_args
     from kdcache.pipeline.cachespec import spec_from_args
     from kdcache.pipeline.teacher_files import TeacherOptions
     from kdcache.pipeline.datasets import load_dataset

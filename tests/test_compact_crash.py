@@ -1,7 +1,7 @@
 """kill -9 at every step of compaction loses no committed row: whichever tool comes next (ls, inspect,
 verify, the reader, the producer, gc) finishes or tidies what the crash left, and the cache ends sound.
 
-The producer that writes a cache's last rows compacts it in close(); store.build.compact.step names each
+The producer that writes a cache's last rows compacts it in close(); store.write.compact.step names each
 step ("locked", "writing", "written", "renamed", "removing"), and the killed producer replaces it
 with a SIGKILL of itself at one of them. gc, which renames a cache aside before deleting it, never
 touches a cache whose lock a live process holds, and a producer that starts in that window begins
@@ -40,7 +40,7 @@ DEAD_PID = 2 ** 22 + 1  # above the largest pid_max Linux allows: never a live p
 PRODUCER = """
 import json, os, signal, sys, threading, time
 import h5py
-import kdcache.store.build.compact
+import kdcache.store.write.compact
 from kdcache import store
 from kdcache.store import CacheWriter
 from tests.helpers import expected_logits, make_spec
@@ -57,7 +57,7 @@ class H5py:  # compaction's h5py, marking when its temporary file is opened
     def File(self, name, mode="r", **kw):
         mark("tmp")
         return h5py.File(name, mode, **kw)
-store.build.compact.step, store.build.compact.h5py = mark, H5py()
+store.write.compact.step, store.write.compact.h5py = mark, H5py()
 with CacheWriter(base, spec, memory_budget=budget) as w:
     keys = w.missing()
     w.write(keys // spec.views, expected_logits(keys, spec.num_classes), views=keys % spec.views)
@@ -333,7 +333,7 @@ def test_gc_leaves_a_cache_whose_lock_a_live_process_holds(cache_dir, lock):
 # until gc has renamed the cache folder aside; gc waits half a second before deleting it.
 RESUMING = """
 import fcntl, os, sys, time, json
-import kdcache.store.build.writer
+import kdcache.store.write.writer
 from kdcache import store
 from tests.helpers import make_spec, produce
 base, ready, renamed, where = sys.argv[1:5]
@@ -346,11 +346,11 @@ def pause():
             time.sleep(0.005)
     calls.append(1)
 if where == "open":
-    lock = store.build.writer.CacheWriter._lock
+    lock = store.write.writer.CacheWriter._lock
     def _lock(self, wait_s):
         pause()
         return lock(self, wait_s)
-    store.build.writer.CacheWriter._lock = _lock
+    store.write.writer.CacheWriter._lock = _lock
 else:
     class Fcntl:
         def __getattr__(self, name):
@@ -358,7 +358,7 @@ else:
         def flock(self, fd, op):
             pause()
             return fcntl.flock(fd, op)
-    store.build.writer.fcntl = Fcntl()
+    store.write.writer.fcntl = Fcntl()
 print(json.dumps({"complete": produce(base, make_spec(tag="resumed")), "pauses": len(calls)}))
 """
 GC_SLOW = """

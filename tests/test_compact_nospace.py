@@ -12,8 +12,8 @@ import sys
 import numpy as np
 import pytest
 
-import kdcache.store.build.compact
-import kdcache.store.build.writer
+import kdcache.store.write.compact
+import kdcache.store.write.writer
 from kdcache import store
 from kdcache.store import CacheReader, CacheWriter, StoreError, path_for
 from kdcache.store.errors import NoSpaceError
@@ -29,13 +29,13 @@ SPEC = dict(num_samples=N, num_classes=C, tag="nospace")
 TOOL = """
 import json, sys
 import numpy as np
-import kdcache.store.build.compact
+import kdcache.store.write.compact
 from kdcache import store
 from kdcache.store import CacheWriter, StoreError
 from tests.helpers import expected_logits, make_spec
 tool, path, how = sys.argv[1], sys.argv[2], sys.argv[3]
 if how == "spill":
-    store.build.compact.available_memory = lambda: 0
+    store.write.compact.available_memory = lambda: 0
 if tool == "ls":
     from kdcache.cli import main
     sys.exit(main(["ls", "--cache-dir", path]))
@@ -71,7 +71,7 @@ def committed_cache(d, monkeypatch, rows):
     spec = make_spec(**SPEC)
     p = path_for(d, spec.fingerprint)
     with monkeypatch.context() as m:
-        m.setattr(store.build.writer, "finalize", lambda *a, **k: False)
+        m.setattr(store.write.writer, "finalize", lambda *a, **k: False)
         with CacheWriter(p, spec) as w:
             keys = np.arange(rows)
             w.write(keys, expected_logits(keys, C))
@@ -132,13 +132,13 @@ def test_an_injected_enospc_is_one_line_and_compaction_is_retried(cache_dir, mon
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     budget = 0 if how == "spill" else None
     with monkeypatch.context() as m:
-        m.setattr(store.build.compact.os, "posix_fallocate" if where == "fallocate" else "pwrite", full)
+        m.setattr(store.write.compact.os, "posix_fallocate" if where == "fallocate" else "pwrite", full)
         with pytest.raises(NoSpaceError) as e:
-            store.build.compact.finalize(p, spec, memory_budget=budget)
+            store.write.compact.finalize(p, spec, memory_budget=budget)
     assert "\n" not in str(e.value) and str(e.value).startswith(f"{cache_dir}: no space left to compact the cache")
     assert ("spill file" in str(e.value)) == (how == "spill")
     assert not temporaries(cache_dir, p) and not os.path.exists(final_path(p))
-    assert store.build.compact.finalize(p, spec, memory_budget=budget)
+    assert store.write.compact.finalize(p, spec, memory_budget=budget)
     every_row_reads_back(spec, p)
 
 
@@ -147,7 +147,7 @@ def test_a_reader_of_a_committed_cache_on_a_full_disk_reads_the_segments(cache_d
 
     def full(*a, **k):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    monkeypatch.setattr(store.build.compact.os, "posix_fallocate", full)
+    monkeypatch.setattr(store.write.compact.os, "posix_fallocate", full)
     with CacheReader(p, spec=spec) as r:  # compaction failed (logged): the rows are read from the segments
         assert r.complete and r.source == "ram"
         assert np.array_equal(r.get(np.arange(N)), expected_logits(np.arange(N), C))

@@ -147,7 +147,7 @@ def test_the_python_api_raises_kdcache_errors_that_are_still_the_builtins_caller
 # Exceptions that never leave the function that catches them (control flow), by class name: they
 # must not be caught as a KdcacheError by anyone.
 INTERNAL = {
-    "_Full": "store.build.compact: the disk filled during compaction; caught there and said as NoSpaceError",
+    "_Full": "store.write.compact: the disk filled during compaction; caught there and said as NoSpaceError",
     "MapUnavailable": "store.read.mapped: this file cannot be memory-mapped; the reader falls back to HDF5 reads",
     "_BadRecord": "pipeline.images: a RecordIO record that cannot be read; said as a DatasetError naming it",
     "NotOurs": "store.osutil: an entry under kdcache's names that is not its file (an OSError); skipped, or "

@@ -137,7 +137,7 @@ def test_a_damaged_part_is_caught_at_finish_and_computed_again(tmp_path, teacher
 def test_a_reader_follows_parts_as_they_are_published(tmp_path):
     spec = make_spec(num_samples=64, num_classes=10)
     base = str(tmp_path / spec.fingerprint)
-    from kdcache.store.build.writer import prepare_parts
+    from kdcache.store.write.writer import prepare_parts
     parts = prepare_parts(base, spec)
     keys = np.arange(0, 32)
     publish(part(tmp_path, spec, 0, 32, keys), parts, spec)
@@ -166,7 +166,7 @@ def test_the_options_of_many_hosts_are_checked(tmp_path, teacher):
 def test_verify_names_a_damaged_part_and_compaction_never_takes_one_in(tmp_path):
     spec = make_spec(num_samples=64, num_classes=10)
     base = str(tmp_path / spec.fingerprint)
-    from kdcache.store.build.writer import prepare_parts
+    from kdcache.store.write.writer import prepare_parts
     parts = prepare_parts(base, spec)
     publish(part(tmp_path, spec, 0, 32, np.arange(0, 32)), parts, spec)
 

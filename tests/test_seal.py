@@ -230,4 +230,4 @@ def test_only_the_seal_check_opens_a_finished_file_with_hdf5():
                     where = os.path.relpath(os.path.join(d, n), ROOT)
                     (creating if (m.group(2) or "").strip() == '"w"' else hits).append(where)
     assert hits and set(hits) <= {"kdcache/store/files/segment.py"}, hits
-    assert set(creating) <= {"kdcache/store/files/segment.py", "kdcache/store/build/compact.py", "kdcache/store/files/parts.py"}, creating
+    assert set(creating) <= {"kdcache/store/files/segment.py", "kdcache/store/write/compact.py", "kdcache/store/files/parts.py"}, creating

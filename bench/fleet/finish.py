@@ -3,7 +3,7 @@
 A cache whose keys are all published as parts can be finished two ways:
 
 * compaction (what kdcache does): every part checked, then its rows copied in key order into one contiguous
-  `P.h5` (store.build.compact.finalize), which a reader maps at once (store.read.mapped) and gathers a batch from in
+  `P.h5` (store.write.compact.finalize), which a reader maps at once (store.read.mapped) and gathers a batch from in
   one numpy indexing;
 * a part index (measured here only): every part checked, then an index written (which part and row holds each
   key, where each part's fields start in its file); a reader maps every part (parts keep their codec fields
@@ -128,10 +128,10 @@ def write_parts(parts_dir, spec, block, rng):
 def finishes(root, rows, classes, block):
     """Both finishes from the same parts; {"part_index": {...}, "compaction": {...}, ...}."""
     from kdcache.store import CacheReader, CacheSpec
-    from kdcache.store.build.compact import finalize
+    from kdcache.store.write.compact import finalize
     from kdcache.store.files.parts import check_parts, list_parts
     from kdcache.store.folder.registry import final_path
-    from kdcache.store.build.writer import prepare_parts
+    from kdcache.store.write.writer import prepare_parts
     spec = CacheSpec(num_samples=rows, num_classes=classes, views=1, codec="full", dtype="float16",
                      inputs={"teacher": {"name": "bench.fleet.finish", "digest": "0" * 16},
                              "dataset": {"name": "synthetic", "length": rows}})

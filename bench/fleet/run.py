@@ -110,9 +110,9 @@ def at_scale(root, nparts):
     published, opened by a reader, checked and compacted, each step timed: the per-byte and per-part costs."""
     import numpy as np
     from kdcache.store import CacheReader, CacheSpec
-    from kdcache.store.build.compact import finalize
+    from kdcache.store.write.compact import finalize
     from kdcache.store.files.parts import check_parts, part_name, publish, write_part
-    from kdcache.store.build.writer import prepare_parts
+    from kdcache.store.write.writer import prepare_parts
     n = nparts * SCALE_BLOCK
     spec = CacheSpec(num_samples=n, num_classes=SCALE_CLASSES, views=1, codec="full", dtype="float16",
                      inputs={"teacher": {"name": "bench.fleet", "digest": "0" * 16},

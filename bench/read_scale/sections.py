@@ -96,7 +96,7 @@ def keep_free(free):
 
 def write_peak(nbytes):
     """Disk bytes a cache of nbytes needs while it is compacted: its segment and the final file, plus the
-    compaction's scratch copy when the cache is more than the memory compaction may use (store.build.compact)."""
+    compaction's scratch copy when the cache is more than the memory compaction may use (store.write.compact)."""
     return nbytes * (2 if nbytes <= available_memory() // 2 else 3)
 
 

@@ -173,9 +173,9 @@ class FleetLock:
 def prepare(path, spec):
     """The cache's parts folder, ready for parts (its manifest written); None when the cache is
     finished already (checked to be this spec's)."""
-    from kdcache.store.build.settle import settle
+    from kdcache.store.write.settle import settle
     from kdcache.store.files.paths import final_path
-    from kdcache.store.build.writer import check_final_matches, prepare_parts
+    from kdcache.store.write.writer import check_final_matches, prepare_parts
     settle(path)
     if os.path.lexists(final_path(path)):
         check_final_matches(final_path(path), spec)
@@ -191,7 +191,7 @@ def owed(parts_dir, spec):
 def finish(path, spec, parts_dir):
     """Compact the cache when every key is covered: compaction checks every part first and sets a damaged
     one aside (its keys are owed again, NOTE [parts]). Returns (complete, {"damaged": [names set aside]})."""
-    from kdcache.store.build.compact import finalize
+    from kdcache.store.write.compact import finalize
     from kdcache.store.files.paths import final_path
     if os.path.exists(final_path(path)):
         return True, {"damaged": []}

@@ -24,7 +24,7 @@ import sys
 from kdcache.args import Dir, Float, Parser
 from kdcache.errors import KdcacheError, as_command
 from kdcache.store.errors import NewerFormatError, StoreError
-from kdcache.store.build.settle import locked, remote_holders, settle
+from kdcache.store.write.settle import locked, remote_holders, settle
 from kdcache.store.osutil import fsync_dir, write_atomic
 from kdcache.store.files.paths import parts_path, resolve_cache_dir
 from kdcache.store.files.segment import lock_holders

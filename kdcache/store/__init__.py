@@ -15,7 +15,7 @@ from .derive.ensemble import EnsembleReader
 from .folder.registry import path_for, resolve_cache_dir
 from .format.schema import FORMAT_VERSION
 from .format.spec import CacheSpec
-from .build.writer import CacheWriter, finalize
+from .write.writer import CacheWriter, finalize
 
 __all__ = ["CacheSpec", "CacheWriter", "CacheReader", "EnsembleReader", "finalize", "make_codec", "fingerprint",
            "file_digest", "path_for", "resolve_cache_dir", "FORMAT_VERSION", "StoreError",

@@ -34,10 +34,10 @@ from kdcache.args import Dir, Parser
 from kdcache.errors import as_command, refused
 
 from ..format.codec import make_codec
-from ..build.compact import _is_full, free_space, reserve, space_needed
+from ..write.compact import _is_full, free_space, reserve, space_needed
 from ..errors import CacheNotFoundError, NoSpaceError, StoreError, WriterBusyError
 from ..format.fingerprint import is_fingerprint
-from ..build.settle import settle
+from ..write.settle import settle
 from ..osutil import exit_at_once
 from ..files.paths import base_path, compact_tmp, discard, exists, final_path, parts_path, path_for, resolve_cache_dir
 from ..files.segment import count_done, final_spec, segment_bytes
@@ -100,7 +100,7 @@ def convert(path, codec, dtype="float16", *, cache_dir=None, memory_budget=None)
     codec, dtype, rows_written, reused."""
     from ..format.items import known
     from ..read.reader import CacheReader
-    from ..build.writer import CacheWriter
+    from ..write.writer import CacheWriter
     base = source_path(path, cache_dir)
     settle(base)  # every key committed but not compacted yet: compacted now
     fin = final_path(base)

@@ -5,7 +5,7 @@ import time
 from ..format import schema, seal
 from ..errors import DamagedFileError, NewerFormatError, NoSpaceError, StoreError
 from ..format.fingerprint import is_fingerprint
-from ..build.settle import last_write, locked, settle
+from ..write.settle import last_write, locked, settle
 from .stale import remove_stale, stale_files
 from ..osutil import NotOurs, NotTrusted, listdir, own, read_regular, regular, skipped
 from ..files.paths import (DEFAULT_DIR, ENV_DIR, OWN_PART, base_path, discard, exists, final_path, foreign_files,  # noqa: F401

@@ -6,7 +6,7 @@ import stat
 
 from ..osutil import is_ours, listdir, open_regular, own, skipped
 from ..files.paths import ASIDE, COMPACT_TMP, PULL_FILE, PULL_STAGE, finish_discard, parts_path, pid_alive
-from ..build.settle import locked
+from ..write.settle import locked
 
 
 def stale_files(cache_dir, *, min_age_s=0.0):

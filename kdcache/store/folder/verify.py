@@ -6,7 +6,7 @@ import numpy as np
 
 from ..format import checksums, schema
 from ..errors import DamagedFileError, StoreError, UnsupportedFormatError
-from ..build.settle import settle
+from ..write.settle import settle
 from ..files.paths import base_path, final_path, parts_path
 from ..files.parts import PART, read_part
 from ..files.segment import committed_rows, list_segments, open_final, open_swmr, read_manifest, read_segment_rows

@@ -1,6 +1,6 @@
 """A finished cache file mapped read-only: each codec field as a numpy array over the file's pages.
 
-Compaction writes every dataset of `P.h5` contiguous and unfiltered (store.build.compact), so its
+Compaction writes every dataset of `P.h5` contiguous and unfiltered (store.write.compact), so its
 bytes sit at one offset in the file, which h5py reports. Mapping them costs nothing at open
 time at any size: rows are paged in as a batch touches them, and every process that maps the
 file shares one copy in the page cache. float16 stays float16 (the reader widens per batch).

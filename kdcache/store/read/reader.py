@@ -30,7 +30,7 @@ from ..format import checksums, items as item_records, schema
 from ..errors import (CacheNotFoundError, DamagedRowsError, FingerprintMismatchError, NoSpaceError,
                      MissingTargetsError, ProducerGoneError)
 from .demand import publish, withdraw
-from ..build.settle import settle
+from ..write.settle import settle
 from .mapped import MapUnavailable, map_fields
 from ..osutil import available_memory, warn_if_network
 from ..folder.registry import base_path, final_path, parts_path, touch_used

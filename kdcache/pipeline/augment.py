@@ -54,8 +54,7 @@ MIXES = ("mixup", "cutmix")
 # The key hash's salts of the mixed views (1, 2 and 16-55 are the crops', flips' and key_rng's).
 SALT_PARTNER, SALT_LAMBDA, SALT_BOX_Y, SALT_BOX_X = 8, 9, 10, 11
 _HELP = ("use none, crop:PAD, flip, crop:PAD,flip, rrc:SIZE[,scale=A-B][,ratio=A-B][,flip] or center:SIZE / "
-         "eval:RESIZE/SIZE (SIZE N or HxW), each optionally with mixup:ALPHA or cutmix:ALPHA, e.g. crop:4,flip, "
-         "rrc:224,flip or crop:4,flip,mixup:0.2")
+         "eval:RESIZE/SIZE (SIZE N or HxW)[,mixup:A|cutmix:A], e.g. crop:4,flip or rrc:224,flip")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -71,10 +71,11 @@ class Int(Allowed):
 
 
 class Float(Allowed):
-    """A finite number in a range; `gt` excludes the lower bound (a temperature of 0 divides by 0)."""
+    """A finite number in a range; `gt` excludes the lower bound (a temperature of 0 divides by 0), `lt`
+    the upper one."""
 
-    def __init__(self, lo=None, hi=None, *, gt=False):
-        self.lo, self.hi, self.gt = lo, hi, gt
+    def __init__(self, lo=None, hi=None, *, gt=False, lt=False):
+        self.lo, self.hi, self.gt, self.lt = lo, hi, gt, lt
 
     def __call__(self, s):
         try:
@@ -84,7 +85,7 @@ class Float(Allowed):
         if not math.isfinite(v):
             fail(f"{s} is not allowed: use {self.allowed()}")
         if self.lo is not None and (v < self.lo or (self.gt and v == self.lo)) or \
-                self.hi is not None and v > self.hi:
+                self.hi is not None and (v > self.hi or (self.lt and v == self.hi)):
             fail(f"{s} is out of range: use {self.allowed()}")
         return v
 
@@ -92,7 +93,7 @@ class Float(Allowed):
         lo = "" if self.lo is None else f"{'>' if self.gt else '>='} {self.lo:g}"
         if self.hi is None:
             return f"a number {lo}"
-        return f"a number {lo} and <= {self.hi:g}"
+        return f"a number {lo} and {'<' if self.lt else '<='} {self.hi:g}"
 
     format = staticmethod(repr)
 

@@ -146,6 +146,11 @@ def test_augment_spec_parsing():
             Augment.parse(bad)
         assert repr(bad.strip().lower()) in str(e.value)
         assert "crop:PAD" in str(e.value) and "flip" in str(e.value), str(e.value)
+    for bad in ("mixup:0", "mixup:-1", "mixup:abc", "crop:4,mixup:0.2,cutmix:1", "mixup", "crop:4,flip,cutmix"):
+        with pytest.raises(ValueError) as e:
+            Augment.parse(bad)
+        assert repr(bad) in str(e.value) and ("mixup" in bad) == ("mixup" in str(e.value)), str(e.value)
+        assert "ALPHA" in str(e.value) and "e.g." in str(e.value), str(e.value)
 
 
 # --- the schedule ---------------------------------------------------------------------------

@@ -4,6 +4,15 @@ The teacher producer and the student rebuild the identical view with no images s
 way FKD and TinyViT store crop parameters or seeds). The parameters come from a counter-based
 hash (splitmix64) of the key, vectorised over a batch, so they do not depend on batch
 composition, order, process or platform.
+
+NOTE (mixed views). mixup:ALPHA and cutmix:ALPHA mix view v of sample i with view v of a partner
+sample j, in proportion λ ~ Beta(ALPHA, ALPHA); j and λ (and cutmix's box) come from (seed, i, v)
+alone, each from its own salt, so a view is still a pure function of its key: the producer runs
+the teacher on exactly the mixed image, and the student rebuilds it pixel for pixel. The partner's
+view is its own key (j, v), made as any other view. The cache holds the teacher's logits of the
+mixed image; the student's hard-label term needs both labels and λ, so when mixing is on the
+labels a batch carries are float32 [B, 3]: (label, partner's label, λ) (`mixed_labels`), and
+[B] ints as before when it is off. Evaluation never mixes (`eval_view`).
 """
 import dataclasses
 import math
@@ -41,8 +50,11 @@ RRC_ATTEMPTS = 10
 # center:SIZE resizes the short side to SIZE / 0.875 (224 -> 256), GluonCV's and torchvision's ImageNet habit.
 CROP_FRACTION = 0.875
 MAX_SIZE = 8192
+MIXES = ("mixup", "cutmix")
+# The key hash's salts of the mixed views (1, 2 and 16-55 are the crops', flips' and key_rng's).
+SALT_PARTNER, SALT_LAMBDA, SALT_BOX_Y, SALT_BOX_X = 8, 9, 10, 11
 _HELP = ("use none, crop:PAD, flip, crop:PAD,flip, rrc:SIZE[,scale=A-B][,ratio=A-B][,flip] or center:SIZE / "
-         "eval:RESIZE/SIZE (SIZE N or HxW), e.g. crop:4,flip or rrc:224,flip")
+         "eval:RESIZE/SIZE (SIZE N or HxW)[,mixup:A|cutmix:A], e.g. crop:4,flip or rrc:224,flip")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +67,9 @@ class Augment:
                fraction scale=A-B (default 0.08-1) and aspect ratio w/h ratio=A-B (default 3/4-4/3)
     eval:RESIZE/SIZE  the evaluation transform: resize the short side to RESIZE, centre-crop SIZE;
                the same image for every view (center:SIZE is eval:ceil(SIZE/0.875)/SIZE)
+    mixup:ALPHA  mix each view with a keyed partner's view, λ ~ Beta(ALPHA, ALPHA) (Zhang et al. 2018)
+    cutmix:ALPHA paste a box of the partner's view, of area fraction 1 - λ (Yun et al. 2019); λ is then
+               the exact fraction of pixels kept (module NOTE (mixed views))
     Resizing is bilinear with half-pixel centres (OpenCV's INTER_LINEAR, MXNet's imresize; no
     antialiasing), in float32 numpy, so every process computes the same pixels.
     """
@@ -65,6 +80,8 @@ class Augment:
     ratio: tuple = RRC_RATIO
     resize: int = 0  # eval: the short side's length before the centre crop
     center: tuple = None  # eval: the centre crop (H, W)
+    mix: str = None  # "mixup" or "cutmix" (module NOTE (mixed views))
+    mix_alpha: float = 0.0  # the Beta(ALPHA, ALPHA) parameter of the mixing proportion
 
     @classmethod
     def parse(cls, spec):
@@ -78,6 +95,11 @@ class Augment:
             key, eq, pval = part.partition("=")
             if part == "flip":
                 kw["flip"] = True
+            elif head in MIXES:
+                if "mix" in kw:
+                    raise PipelineError(f"augmentation {spec!r}: one of mixup:ALPHA and cutmix:ALPHA at a time; "
+                                        f"drop one, e.g. crop:4,flip,mixup:0.2")
+                kw["mix"] = (head, _alpha(head, value if colon else None, spec))
             elif colon and head in ("crop", "rrc", "center", "eval"):
                 if {"crop", "rrc", "eval"} & set(kw):
                     raise PipelineError(f"augmentation {spec!r}: one of crop:PAD, rrc:SIZE, center:SIZE and "
@@ -110,9 +132,10 @@ class Augment:
             raise PipelineError(f"augmentation {spec!r}: the evaluation transform is the same for every view; "
                                 f"use it alone, or rrc:SIZE,flip for random views")
         resize, center = kw.get("eval", (0, None))
+        mix, alpha = kw.get("mix", (None, 0.0))
         return cls(pad=kw.get("crop", 0), flip=kw.get("flip", False), size=kw.get("rrc"),
                    scale=params.get("scale", RRC_SCALE), ratio=params.get("ratio", RRC_RATIO), resize=resize,
-                   center=center)
+                   center=center, mix=mix, mix_alpha=alpha)
 
     @property
     def spec(self):
@@ -124,17 +147,30 @@ class Augment:
                       (("scale", self.scale, RRC_SCALE), ("ratio", self.ratio, RRC_RATIO)) if tuple(v) != d]
         if self.center:
             parts.append(f"eval:{self.resize}/{_size_word(self.center)}")
-        return ",".join(parts + (["flip"] if self.flip else [])) or "none"
+        parts += ["flip"] if self.flip else []
+        parts += [f"{self.mix}:{_num(self.mix_alpha)}"] if self.mix else []  # last: specs without it keep their form
+        return ",".join(parts) or "none"
+
+    @property
+    def transforms(self):
+        """Whether each image's own view differs from the image (mixing aside)."""
+        return self.pad > 0 or self.flip or bool(self.size) or bool(self.center)
 
     @property
     def active(self):
         """Whether it changes images at all."""
-        return self.pad > 0 or self.flip or bool(self.size) or bool(self.center)
+        return self.transforms or bool(self.mix)
 
     @property
     def varies(self):
-        """Whether views differ: the evaluation transform gives every view the same image."""
-        return self.pad > 0 or self.flip or bool(self.size)
+        """Whether views differ: the evaluation transform gives every view the same image; a mixed view
+        varies with its partner and λ."""
+        return self.pad > 0 or self.flip or bool(self.size) or bool(self.mix)
+
+    @property
+    def unmixed(self):
+        """The same views without the mixing."""
+        return dataclasses.replace(self, mix=None, mix_alpha=0.0)
 
     def out_shape(self, shape):
         """The shape of a view of an image of `shape` (C, H, W)."""
@@ -147,7 +183,7 @@ class Augment:
         evaluation transform is its own."""
         if self.size:
             return Augment.parse(f"center:{_size_word(self.size)}")
-        return self if self.center else Augment()
+        return self.unmixed if self.center else Augment()  # evaluation never mixes
 
     def params(self, seed, indices, views):
         """(dy, dx, flip) per key: the crop offset in the padded image and the flip bit."""
@@ -190,8 +226,9 @@ class Augment:
 
     def apply(self, x, seed, indices, views):
         """Augmented copy of a batch x [B, C, H, W] for keys (indices, views); rrc and eval give
-        [B, C, *SIZE]. The dtype is kept (integer images are rounded after resizing)."""
-        if not self.active:
+        [B, C, *SIZE]. The dtype is kept (integer images are rounded after resizing). Each image's own
+        view only: mixing it with its partner's needs the data set (make_views, mix_views)."""
+        if not self.transforms:
             return x
         b, c, h, w = x.shape
         if self.size:
@@ -214,9 +251,59 @@ class Augment:
         return out
 
 
+    def partners(self, seed, indices, views, n):
+        """(j int64 [B], λ float64 [B]) per key (indices, views): the partner sample, uniform over the
+        data set's n indices (it may be the sample itself), and the mixing proportion ~ Beta(ALPHA, ALPHA),
+        drawn by numpy's Generator seeded with the key's hash (one per key: no batch, order or process
+        changes it)."""
+        j = (key_hash(seed, indices, views, SALT_PARTNER) % np.uint64(max(1, int(n)))).astype(np.int64)
+        a = float(self.mix_alpha)
+        lam = np.array([np.random.default_rng(int(h)).beta(a, a)
+                        for h in np.ravel(key_hash(seed, indices, views, SALT_LAMBDA))], dtype=np.float64)
+        return j.reshape(-1), lam
+
+    def mix_images(self, x, xj, seed, indices, views, lam):
+        """(mixed views float32 [B, ...], λ float32 [B]) of views x and their partners' views xj (both
+        [B, C, H, W]). mixup: λ x + (1 - λ) xj in float32. cutmix: x with the box of area fraction 1 - λ
+        (Yun et al. 2019's rand_bbox: side sqrt(1 - λ) of each dimension, centre uniform, clipped) taken
+        from xj, and λ the fraction of pixels kept."""
+        lam = np.asarray(lam, dtype=np.float64).reshape(-1)
+        if self.mix == "mixup":
+            lam32 = lam.astype(np.float32)
+            w = lam32.reshape((-1,) + (1,) * (np.ndim(x) - 1))
+            out = _lerp(np.asarray(xj, dtype=np.float32), np.asarray(x, dtype=np.float32), w)
+            return _as_dtype(out, np.asarray(x).dtype), lam32
+        out = np.array(x, copy=True)
+        b, _, height, width = out.shape
+        cy = (key_hash(seed, indices, views, SALT_BOX_Y) % np.uint64(height)).astype(np.int64).reshape(-1)
+        cx = (key_hash(seed, indices, views, SALT_BOX_X) % np.uint64(width)).astype(np.int64).reshape(-1)
+        kept = np.empty(b, dtype=np.float32)
+        for k in range(b):
+            cut = math.sqrt(1.0 - float(lam[k]))
+            ch, cw = int(height * cut), int(width * cut)
+            y1, y2 = min(max(cy[k] - ch // 2, 0), height), min(max(cy[k] + ch // 2, 0), height)
+            x1, x2 = min(max(cx[k] - cw // 2, 0), width), min(max(cx[k] + cw // 2, 0), width)
+            out[k, :, y1:y2, x1:x2] = xj[k, :, y1:y2, x1:x2]
+            kept[k] = 1.0 - (y2 - y1) * (x2 - x1) / (height * width)
+        return out, kept
+
+
+def mixed_labels(labels, partner_labels, lam):
+    """The labels a mixed batch carries: float32 [B, 3] rows (label, partner's label, λ)."""
+    return np.stack([np.asarray(labels, dtype=np.float32).reshape(-1),
+                     np.asarray(partner_labels, dtype=np.float32).reshape(-1),
+                     np.asarray(lam, dtype=np.float32).reshape(-1)], axis=1)
+
+
+def mixes(augment):
+    """Whether an augmentation (an Augment, a UserAugment, None) mixes views: its labels are then
+    (label, partner's label, λ) rows (module NOTE (mixed views))."""
+    return bool(getattr(augment, "mix", None))
+
+
 def is_builtin(spec):
     """Whether a spec names a built-in augmentation (crop:x is a mistake in one, not MODULE crop's x)."""
-    return str(spec).strip().lower().partition(":")[0] in ("crop", "rrc", "center", "eval")
+    return str(spec).strip().lower().partition(":")[0] in ("crop", "rrc", "center", "eval") + MIXES
 
 
 def _uniform(h):
@@ -319,6 +406,19 @@ def _integer(word, lo, hi, spec, what):
     return v
 
 
+def _alpha(head, word, spec):
+    """mixup's or cutmix's ALPHA: a finite number > 0."""
+    example = f"{head}:{'0.2' if head == 'mixup' else '1.0'}"
+    if word is None:
+        raise PipelineError(f"augmentation {spec!r}: {head} needs its ALPHA (the Beta(ALPHA, ALPHA) parameter): "
+                            f"write {head}:ALPHA, e.g. {example}")
+    v = _number(word.strip())
+    if v is None or not math.isfinite(v) or v <= 0:
+        raise PipelineError(f"augmentation {spec!r}: {head}'s ALPHA must be a number > 0 (the Beta(ALPHA, ALPHA) "
+                            f"parameter), not {word.strip()!r}; e.g. {example}")
+    return v
+
+
 def _size(word, spec, what):
     """N or HxW, each from 1 to MAX_SIZE, as (H, W)."""
     m = re.fullmatch(r"\s*(\d+)\s*(?:x\s*(\d+)\s*)?", word)
@@ -363,10 +463,25 @@ def make_views(dataset, indices, views, *, seed, augment):
     """The inputs of keys (indices, views): the data set's samples, augmented per key.
 
     The one function the teacher producer and the student both call for a batch.
-    Returns (x float32 [B, C, H, W], labels int64 [B]).
+    Returns (x float32 [B, C, H, W], labels int64 [B]); with mixing (module NOTE (mixed views)) the
+    labels are float32 [B, 3] rows (label, partner's label, λ).
     """
     x, y = dataset.get_batch(indices)
-    return augment.apply(x, seed, indices, views), y
+    return mix_views(dataset, augment.apply(x, seed, indices, views), y, indices, views, seed=seed, augment=augment)
+
+
+def mix_views(dataset, x, y, indices, views, *, seed, augment):
+    """(x, y) of keys (indices, views) after mixing: views x and labels y unchanged when `augment` does
+    not mix; else each view mixed with its partner's view (key (j, v), made from `dataset` the way x
+    was) and the labels as mixed_labels rows. The one mixing step of make_views and the producer's
+    decode workers."""
+    if not mixes(augment):
+        return x, y
+    j, lam = augment.partners(seed, indices, views, len(dataset))
+    vs = np.broadcast_to(np.asarray(views), np.shape(indices)).reshape(-1)
+    xj, yj = dataset.get_batch(j)
+    out, lam = augment.mix_images(x, augment.apply(xj, seed, j, vs), seed, indices, views, lam)
+    return out, mixed_labels(y, yj, lam)
 
 
 class EvalViews:
@@ -484,9 +599,21 @@ def as_augment(augment):
 
 
 def apply_one(augment, image, seed, index, view):
-    """View `view` of sample `index`'s image [C, H, W] under `augment` (an Augment or UserAugment)."""
+    """View `view` of sample `index`'s image [C, H, W] under `augment` (an Augment or UserAugment),
+    before any mixing (mix_one)."""
     if not augment.active:
         return image
     if isinstance(augment, UserAugment):
         return augment.one(image, seed, index, view)
     return augment.apply(image[None], seed, [index], [view])[0]
+
+
+def mix_one(augment, image, label, partner, seed, index, view, n):
+    """(mixed image, float32 [3] (label, partner's label, λ)) of key (index, view) for one item: `image`
+    its view (apply_one), `partner(j)` the (image, label) of sample j before augmentation, n the data
+    set's length. The same pixels as mix_views gives the key in any batch."""
+    j, lam = augment.partners(seed, [index], [view], n)
+    pimage, plabel = partner(int(j[0]))
+    pview = apply_one(augment, np.asarray(pimage), seed, int(j[0]), view)
+    out, lam = augment.mix_images(image[None], pview[None], seed, [index], [view], lam)
+    return out[0], mixed_labels([label], [plabel], lam)[0]

@@ -33,6 +33,7 @@ import numpy as np
 from kdcache.errors import KdcacheError
 from kdcache.store.format.items import unknown
 
+from .augment import mix_views
 from .digests import item_records
 
 PREFETCH = 2  # batches asked for ahead of the one the teacher runs
@@ -66,7 +67,8 @@ def views_and_items(dataset, indices, views, *, seed, augment):
         rec = unknown(len(y))
         for i in np.flatnonzero(first):
             rec[i] = item_records(x[i:i + 1], np.asarray(y)[i:i + 1])[0]
-    return augment.apply(x, seed, indices, views), rec
+    x = augment.apply(x, seed, indices, views)
+    return mix_views(dataset, x, y, indices, views, seed=seed, augment=augment)[0], rec
 
 
 def finite_rows(x):

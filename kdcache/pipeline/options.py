@@ -40,13 +40,14 @@ class Codec(Allowed):
 
 class AugmentSpec(Allowed):
     """auto | none | crop:PAD | flip | crop:PAD,flip | rrc:SIZE[,scale=A-B][,ratio=A-B][,flip] | center:SIZE |
-    eval:RESIZE/SIZE | MODULE:FUNCTION.
+    eval:RESIZE/SIZE, each optionally with ,mixup:ALPHA or ,cutmix:ALPHA | MODULE:FUNCTION.
 
     rrc is torchvision's RandomResizedCrop to SIZE (N or HxW; scale 0.08-1 and ratio 3/4-4/3 by
     default), center:SIZE and eval:RESIZE/SIZE the evaluation transform (short side resized to
     RESIZE, SIZE/0.875 for center, then the centre crop). The value: an Augment, or "auto" (it
     depends on the views and the data set), or the string MODULE:FUNCTION (loading it imports the
-    user's module: that waits for the data)."""
+    user's module: that waits for the data). mixup:ALPHA and cutmix:ALPHA (ALPHA > 0) mix each view with a
+    partner's keyed view (pipeline.augment NOTE (mixed views))."""
 
     def __call__(self, s):
         from .augment import is_builtin
@@ -171,7 +172,10 @@ SHARED = [
            metavar="V", group=DATA, make="VIEWS"),
     Option("--augment", "auto | none | crop:PAD | flip | crop:PAD,flip | rrc:SIZE[,scale=A-B][,ratio=A-B][,flip] "
            "(RandomResizedCrop to SIZE = N or HxW) | center:SIZE | eval:RESIZE/SIZE (short side to RESIZE, "
-           "SIZE/0.875 for center, then the centre crop: every view the same) | MODULE:FUNCTION (your own: "
+           "SIZE/0.875 for center, then the centre crop: every view the same), each optionally with ,mixup:ALPHA or "
+           ",cutmix:ALPHA (ALPHA > 0: each view mixed with a keyed partner's view, λ ~ Beta(ALPHA, ALPHA); the teacher "
+           "sees the mixed image, the student's hard labels are mixed by λ; e.g. crop:4,flip,mixup:0.2) | "
+           "MODULE:FUNCTION (your own: "
            "FUNCTION(image, rng) -> image, rng seeded by (seed, sample, view)); auto = none for 1 view, else the "
            "data set's usual (crop:1 digits, crop:2 mnist5k and mnist, crop:2,flip fashion-mnist, rrc:HxW,flip "
            "photos at their size, crop:4,flip others)", type=AugmentSpec(), default="auto", metavar="SPEC", group=DATA, make="AUGMENT"),

@@ -17,13 +17,13 @@ import mxnet as mx
 import numpy as np
 
 from kdcache.errors import BadTypeError
-from kdcache.pipeline.augment import Augment, as_augment, make_views
+from kdcache.pipeline.augment import Augment, as_augment, make_views, mixes
 from kdcache.pipeline.schedule import epoch_batches, view_of_epoch
 from kdcache.store.format.schema import index_error
 from kdcache.trainer.defaults import DEFAULT_ALPHA, DEFAULT_TEMPERATURE
 from kdcache.trainer.errors import BadValueError
 from kdcache.trainer.itemcheck import EAGER, ItemCheck
-from kdcache.trainer.loss import check_targets, kd_formula, temperature_of
+from kdcache.trainer.loss import check_targets, kd_formula, smoothing_of, temperature_of
 
 log = logging.getLogger("kdcache.trainer")
 
@@ -90,7 +90,14 @@ class SoftTargetIter(mx.io.DataIter):
         soft = mx.io.DataDesc(self.soft_label_name, (self.batch_size, self.num_classes), np.float32)
         if self.inner is not None:
             return list(self.inner.provide_label) + [soft]
-        return [mx.io.DataDesc(self.label_name, (self.batch_size,), np.float32), soft]
+        rows = (self.batch_size, 3) if self.mixes else (self.batch_size,)  # mixed: (label, partner's label, λ)
+        return [mx.io.DataDesc(self.label_name, rows, np.float32), soft]
+
+    @property
+    def mixes(self):
+        """Whether the views are mixed (mixup, cutmix): the hard labels are then rows (label, partner's
+        label, λ), for kd_symbol(..., mixed=True)."""
+        return self.inner is None and mixes(self.augment)
 
     def reset(self):
         self.epoch += 1
@@ -250,12 +257,15 @@ class _ItemSource:
 
 
 def kd_symbol(student_logits, *, temperature=DEFAULT_TEMPERATURE, alpha=DEFAULT_ALPHA, num_classes=None,
-              label_name="softmax_label", soft_label_name="soft_label"):
+              label_name="softmax_label", soft_label_name="soft_label", label_smoothing=0.0, mixed=False):
     """A Module API training symbol: the KD loss (the same formula as trainer.loss.KDLoss) as a
-    MakeLoss head, with the student's softmax as a second, gradient-free output for metrics."""
+    MakeLoss head, with the student's softmax as a second, gradient-free output for metrics.
+    `mixed`: the iterator's labels are rows (label, partner's label, λ) (SoftTargetIter.mixes: mixup
+    or cutmix views); `label_smoothing` as KDLoss's."""
     s = student_logits
     per_sample = kd_formula(mx.sym, s, mx.sym.var(soft_label_name), mx.sym.var(label_name),
-                            temperature=temperature_of(temperature), alpha=alpha)
+                            temperature=temperature_of(temperature), alpha=alpha,
+                            label_smoothing=smoothing_of(label_smoothing), mixed=bool(mixed))
     loss = mx.sym.MakeLoss(per_sample, normalization="batch", name="kd_loss")  # the batch's mean, as Gluon's trainer.step(B)
     prob = mx.sym.BlockGrad(mx.sym.softmax(s, axis=1), name="prob")
     return mx.sym.Group([loss, prob])

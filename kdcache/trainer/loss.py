@@ -1,5 +1,9 @@
 """The KD loss: alpha * T^2 * KL(softmax(t/T) || softmax(s/T)) + (1 - alpha) * CE(s, y).
 
+The hard term CE may smooth the labels (label_smoothing eps: the target (1 - eps) one-hot + eps / C,
+GluonCV's --label-smoothing) and, for mixed views (pipeline.augment NOTE (mixed views)), mixes two
+labels: lam * CE(s, y_i) + (1 - lam) * CE(s, y_j), the labels then rows (y_i, y_j, lam).
+
 Targets are the teacher's raw logits (temperature 1, as cached), so one cache serves every
 temperature. GluonCV's DistillationSoftmaxCrossEntropyLoss uses T=20 and hard weight 0.5.
 
@@ -23,7 +27,7 @@ from mxnet import gluon
 
 from kdcache.args import Temperature
 from kdcache.store.format.schema import name_keys
-from kdcache.trainer.defaults import DEFAULT_ALPHA, DEFAULT_TEMPERATURE
+from kdcache.trainer.defaults import DEFAULT_ALPHA, DEFAULT_TEMPERATURE, SMOOTHING
 from kdcache.trainer.errors import TrainError
 from kdcache.trainer.errors import BadValueError
 
@@ -130,17 +134,23 @@ class KDLoss(gluon.loss.Loss):
     """Per-sample KD loss from student logits, teacher logits and hard labels.
 
     alpha=0 gives plain cross-entropy on the labels (no teacher); alpha=1 the soft term only.
+    label_smoothing: eps in [0, 1) of the hard term (0: none). mixed: the labels are rows (label,
+    partner's label, λ) of mixed views (SoftTargetDataset.mixes, pipeline.augment.mixes), the hard
+    term λ CE(y_i) + (1 - λ) CE(y_j).
     """
 
-    def __init__(self, temperature=DEFAULT_TEMPERATURE, alpha=DEFAULT_ALPHA, **kw):
+    def __init__(self, temperature=DEFAULT_TEMPERATURE, alpha=DEFAULT_ALPHA, *, label_smoothing=0.0, mixed=False,
+                 **kw):
         super().__init__(weight=None, batch_axis=0, **kw)
         self.temperature = temperature_of(temperature)
         self.alpha = float(alpha)
+        self.label_smoothing = smoothing_of(label_smoothing)
+        self.mixed = bool(mixed)
 
     def hybrid_forward(self, F, student, teacher, label):
         # alpha=0: no teacher term at all (0 * a NaN target would still be NaN)
         return kd_formula(F, student, teacher if self.alpha else None, label, temperature=self.temperature,
-                          alpha=self.alpha)
+                          alpha=self.alpha, label_smoothing=self.label_smoothing, mixed=self.mixed)
 
 
 def temperature_of(value):
@@ -149,13 +159,36 @@ def temperature_of(value):
     return Temperature().coerce(value, "temperature", error=BadValueError)
 
 
-def kd_formula(F, student, teacher, label, *, temperature, alpha):
+def smoothing_of(value):
+    """Label smoothing as a float in [0, 1), checked as the command line checks --label-smoothing."""
+    return SMOOTHING.coerce(value, "label_smoothing", error=BadValueError)
+
+
+def hard_term(F, student, label, *, label_smoothing=0.0, mixed=False):
+    """The per-sample cross-entropy with the labels: -log p_y, or with smoothing eps
+    -(1 - eps) log p_y - eps * mean_c log p_c (the target (1 - eps) one-hot + eps / C); with `mixed`
+    labels (rows y_i, y_j, λ) λ CE(y_i) + (1 - λ) CE(y_j)."""
+    eps = float(label_smoothing)
+    log_p = F.log_softmax(student, axis=1)
+
+    def ce(y):
+        if not eps:
+            return -F.pick(log_p, y, axis=1)  # as before smoothing existed: the same graph
+        return -(1.0 - eps) * F.pick(log_p, y, axis=1) - eps * F.mean(log_p, axis=1)
+    if not mixed:
+        return ce(label)
+    y_i, y_j, lam = F.split(label, num_outputs=3, axis=1, squeeze_axis=True)
+    return lam * ce(y_i) + (1.0 - lam) * ce(y_j)
+
+
+def kd_formula(F, student, teacher, label, *, temperature, alpha, label_smoothing=0.0, mixed=False):
     """The per-sample KD loss, written once for Gluon (F=mx.nd, or the hybridized F) and the Module
     API (F=mx.sym): alpha * T^2 * KL(softmax(t/T) || softmax(s/T)) + (1 - alpha) * CE(s, y), the KL
     summed over classes. The T^2 keeps the soft term's gradients on the scale of the hard term's
-    whatever T is (Hinton et al. 2015). teacher=None gives the cross-entropy alone."""
+    whatever T is (Hinton et al. 2015). teacher=None gives the cross-entropy alone. CE is hard_term:
+    smoothed by `label_smoothing`, and over two labels mixed by λ for `mixed` labels."""
     t, alpha = float(temperature), float(alpha)
-    ce = -F.pick(F.log_softmax(student, axis=1), label, axis=1)
+    ce = hard_term(F, student, label, label_smoothing=label_smoothing, mixed=mixed)
     if teacher is None:
         return ce
     log_ps = F.log_softmax(student / t, axis=1)

@@ -67,12 +67,15 @@ def train_teacher(dataset, test, *, arch="digits_teacher", epochs=40, batch_size
     import numpy as np
     from mxnet import autograd, gluon
 
-    from kdcache.pipeline.augment import as_augment, eval_views
+    from kdcache.pipeline.augment import as_augment, eval_views, mixes
     from kdcache.trainer.errors import BadValueError
     from kdcache.trainer.models import TEACHER_NETS, get_model
     if schedule not in ("cosine", "constant"):
         raise BadValueError(f"learning-rate schedule {schedule!r}: use cosine or constant")
     aug = as_augment(augment)  # an Augment as --augment parsed it, or its spec string
+    if mixes(aug):
+        raise BadValueError(f"augmentation {aug.spec}: the teacher trains on single images with hard labels; mixing "
+                            f"(mixup, cutmix) is for the student's views: drop {aug.mix}:{aug.mix_alpha:g}")
     test = eval_views(test, aug)
     mx.random.seed(seed)
     np.random.seed(seed)
@@ -181,6 +184,9 @@ def main(argv=None, prog="python -m kdcache.trainer.make_teacher"):
     add_options(p, TEACHER)
     args = p.parse_args(argv)
     check_data_applies(args, p)
+    if getattr(args.augment, "mix", None):
+        p.error(f"argument --augment: {args.augment.spec}: the teacher trains on single images with hard "
+                f"labels; mixing (mixup, cutmix) is for the student's views: drop {args.augment.mix}")
     base = args.dataset.split(":", 1)[0].lower()
     for dest, value in RECIPES.get(base, RECIPES["digits"]).items():
         if getattr(args, dest) is None:

@@ -146,3 +146,30 @@ def model_identity(name):
     """What a run records of its student: the name, and for MODULE:FUNCTION its source digest."""
     from kdcache.pipeline.user_code import is_piece, piece_identity
     return piece_identity(name, "--student") if is_piece(name) else name
+
+
+class StudentInput:
+    """The student's own input normalisation (--student-mean, --student-std): (x - mean) / std per
+    channel of the [0, 1] images, in float32 on the host; x itself when neither is given. The
+    teacher's preprocessing is its own (--teacher-mean, part of the cache's fingerprint): this is
+    applied to what the student sees only, so one cache serves students normalised either way. A
+    checkpoint trained with it takes normalised images, as GluonCV's students do."""
+
+    def __init__(self, mean=None, std=None, *, channels):
+        import numpy as np
+        for flag, vals in (("--student-mean", mean), ("--student-std", std)):
+            if vals is not None and len(vals) not in (1, int(channels)):
+                raise BadValueError(f"{flag} has {len(vals)} values, the images have {int(channels)} channel(s): "
+                                    f"give one value, or one per channel")
+        self.mean = None if mean is None else np.asarray(mean, np.float32).reshape(1, -1, 1, 1)
+        self.std = None if std is None else np.asarray(std, np.float32).reshape(1, -1, 1, 1)
+
+    def __call__(self, x):
+        """The student's input for images x [B, C, H, W] (numpy)."""
+        if self.mean is None and self.std is None:
+            return x
+        import numpy as np
+        x = np.asarray(x, dtype=np.float32)
+        if self.mean is not None:
+            x = x - self.mean
+        return x / self.std if self.std is not None else x

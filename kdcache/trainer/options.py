@@ -7,9 +7,9 @@ import os
 import re
 from typing import NamedTuple
 
-from kdcache.args import Allowed, Commas, Dir, Float, Int, Name, Option, Parser, Temperature, add_options, fail
+from kdcache.args import Allowed, Commas, Dir, Float, Floats, Int, Name, Option, Parser, Temperature, add_options, fail
 from kdcache.pipeline.options import SHARED, check_applies, check_views, resolve_teacher
-from kdcache.trainer.defaults import DEFAULT_ALPHA, DEFAULT_TEMPERATURE
+from kdcache.trainer.defaults import DEFAULT_ALPHA, DEFAULT_TEMPERATURE, SMOOTHING
 
 DESCRIPTION = """\
 Train a student network with knowledge distillation from cached teacher logits.
@@ -136,6 +136,11 @@ TRAINER = [
            "trained on; 0: none", type=Float(0, 0.5), default=0.1, metavar="F", group="recipe"),
     Option("--save-every", "keep the parameters of every Nth epoch too (the last and the best are always kept)",
            type=Int(1, 100000), metavar="N", group="recipe"),
+    Option("--student-mean", "per-channel mean subtracted from the student's [0,1] input images (one value, or one "
+           "per channel; default: none); the teacher's preprocessing is --teacher-mean's", type=Floats(),
+           metavar="M[,M,M]", group="student"),
+    Option("--student-std", "per-channel std the student's input images are divided by (> 0; default: none)",
+           type=Floats(positive=True), metavar="S[,S,S]", group="student"),
     Option("--ctx", "auto (GPU when MXNet sees one) | cpu | gpu:0[,1,...] (several GPUs: each batch is split "
            "across them, gradients summed by the device kvstore) | cpu:0,1 (the same on CPU contexts)",
            type=Ctx(), default="auto", metavar="CTX", group="student"),
@@ -150,6 +155,9 @@ TRAINER = [
            metavar="T", group="distillation", make="T", short="-T"),
     Option("--alpha", f"weight of the soft term; 1 - alpha weighs the hard labels ({DEFAULT_ALPHA:g} = GluonCV's)",
            type=Float(0, 1), default=DEFAULT_ALPHA, metavar="A", group="distillation", make="ALPHA"),
+    Option("--label-smoothing", "eps of the hard-label term: the target (1 - eps) one-hot + eps / classes "
+           "(GluonCV's --label-smoothing, 0.1 with mixup); with mixed views (--augment ...,mixup:A) each of the two "
+           "labels is smoothed", type=SMOOTHING, default=0.0, metavar="EPS", group="distillation"),
     Option("--ensemble", "distil from several teachers' caches combined per key at read time (no teacher runs; "
            "replaces --teacher and --cache)", type=Ensemble(), metavar="CACHE[:W[:T]],...", group="distillation"),
     Option("--ensemble-rule", "logits: the weighted mean of the members' logits / T; probs: of their "

@@ -26,7 +26,7 @@ import numpy as np
 from mxnet import gluon
 
 from kdcache.errors import BadTypeError
-from kdcache.pipeline.augment import apply_one, as_augment
+from kdcache.pipeline.augment import apply_one, as_augment, mix_one, mixes
 from kdcache.store import CacheReader, StoreError
 from kdcache.store.derive.ensemble import EnsembleReader
 from kdcache.trainer.errors import BadValueError
@@ -56,6 +56,9 @@ class SoftTargetDataset(gluon.data.Dataset):
     set with this seed, view count and augmentation, or an EnsembleReader over several such caches; `augment`: None (no augmentation), a spec
     ("crop:4,flip"), or FUNCTION(image, rng) -> image. The cache's record of the augmentation and
     seed must match, or the targets would be for other images: StoreError says so.
+    With mixing (mixup:ALPHA or cutmix:ALPHA in the spec) an item's image is its view mixed with its
+    keyed partner's, and its label float32 [3] (label, partner's label, λ): `mixes` says so, for
+    KDLoss(..., mixed=ds.mixes).
     `reader_options` go to each process's CacheReader (timeout, heartbeat_timeout, ...).
     """
 
@@ -131,6 +134,11 @@ class SoftTargetDataset(gluon.data.Dataset):
         raise StoreError(f"{where} was built from another data set: {said}{content}: pass the data set the cache "
                          f"was built from (same files, split and order), or build a cache for this one")
 
+    @property
+    def mixes(self):
+        """Whether items are mixed views: labels are then float32 [3] rows (label, partner's label, λ)."""
+        return mixes(self.augment)
+
     # -- the epoch, shared with worker processes ----------------------------------------------
     def set_epoch(self, epoch):
         """Select the epoch: its items are view (epoch mod views) of every sample."""
@@ -199,6 +207,8 @@ class SoftTargetDataset(gluon.data.Dataset):
         if items is not None and not items.bits()[i]:  # a plain data set: its item's first read (NOTE [item check])
             items.check(reader, [i], [image], [label], reread=self._reread)
         image = apply_one(self.augment, image, self.seed, i, v)
+        if self.mixes:  # the partner's view, mixed in as the producer mixed it (pipeline.augment NOTE (mixed views))
+            image, label = mix_one(self.augment, image, label, self._item, self.seed, i, v, len(self.dataset))
         # A reader serves what the file holds: a damaged value would put NaN into every weight at the
         # first step of the user's own loop (kdcache.trainer.loss NOTE), so it is refused here, by key.
         check_targets(soft[None], [i], v, cache=self._path)

@@ -10,7 +10,7 @@ import numpy as np
 from mxnet import autograd, gluon
 from tqdm import tqdm
 
-from kdcache.pipeline.augment import eval_views, make_views
+from kdcache.pipeline.augment import eval_views, make_views, mixes
 from kdcache.pipeline.datasets import load_dataset
 from kdcache import signals
 from kdcache.pipeline.interrupts import Interrupts
@@ -19,7 +19,7 @@ from kdcache.store import ProducerGoneError
 from kdcache.store.osutil import write_json_atomic
 from kdcache.trainer.checkpoint import load_checkpoint, save_checkpoint
 from kdcache.trainer.loss import KDLoss, LateLoss, check_finite, host_finite
-from kdcache.trainer.models import check_student, get_model, model_identity
+from kdcache.trainer.models import StudentInput, check_student, get_model, model_identity
 from kdcache.trainer.options import recorded
 from kdcache.trainer.prefetch import Prefetcher
 from kdcache.trainer.recipe import EpochLog, Subset, schedule_of, val_indices
@@ -47,14 +47,15 @@ def resolve_ctx(arg):
 
 
 # --- measures --------------------------------------------------------------------------------
-def scores(net, dataset, ctx, batch_size=256):
-    """(top-1, top-5 or None when there are 5 classes or fewer, the predicted classes) on `dataset`."""
+def scores(net, dataset, ctx, batch_size=256, feed=lambda x: x):
+    """(top-1, top-5 or None when there are 5 classes or fewer, the predicted classes) on `dataset`;
+    `feed` makes the student's input of images (models.StudentInput)."""
     top1 = top5 = 0
     wide = False
     preds = []
     for a in range(0, len(dataset), batch_size):
         x, y = dataset.get_batch(np.arange(a, min(len(dataset), a + batch_size)))
-        out = net(mx.nd.array(x, ctx=ctx[0])).asnumpy()
+        out = net(mx.nd.array(feed(x), ctx=ctx[0])).asnumpy()
         preds.append(out.argmax(axis=1))
         top1 += int((preds[-1] == y).sum())
         wide = out.shape[1] > 5
@@ -64,13 +65,13 @@ def scores(net, dataset, ctx, batch_size=256):
     return top1 / n, (top5 / n if wide else None), (np.concatenate(preds) if preds else np.zeros(0, dtype=np.int64))
 
 
-def expected_calibration_error(net, dataset, ctx, bins=15, batch_size=256):
+def expected_calibration_error(net, dataset, ctx, bins=15, batch_size=256, feed=lambda x: x):
     """ECE of the student's softmax on `dataset`: the mean over 15 equal-width confidence bins of |accuracy -
     confidence|, weighted by the share of items in each (Guo et al. 2017). None for an empty data set."""
     conf, hit = [], []
     for a in range(0, len(dataset), batch_size):
         x, y = dataset.get_batch(np.arange(a, min(len(dataset), a + batch_size)))
-        p = mx.nd.softmax(net(mx.nd.array(x, ctx=ctx[0])), axis=1).asnumpy()
+        p = mx.nd.softmax(net(mx.nd.array(feed(x), ctx=ctx[0])), axis=1).asnumpy()
         conf.append(p.max(axis=1))
         hit.append(p.argmax(axis=1) == y)
     if not conf:
@@ -85,7 +86,7 @@ def expected_calibration_error(net, dataset, ctx, bins=15, batch_size=256):
     return float(gap)
 
 
-def agreement(net, train, idx, view, ctx, *, seed, augment, teacher_logits, batch_size=256):
+def agreement(net, train, idx, view, ctx, *, seed, augment, teacher_logits, batch_size=256, feed=lambda x: x):
     """Share of items `idx` (view `view`, the view the teacher saw) where the student's top-1 is
     the teacher's argmax; None when the teacher's targets are not at hand (hard labels, a ring)."""
     if teacher_logits is None or len(idx) == 0:
@@ -97,7 +98,7 @@ def agreement(net, train, idx, view, ctx, *, seed, augment, teacher_logits, batc
         if t is None:
             return None
         x, _ = make_views(train, part, view, seed=seed, augment=augment)
-        same += int((net(mx.nd.array(x, ctx=ctx[0])).asnumpy().argmax(1) == np.asarray(t).argmax(1)).sum())
+        same += int((net(mx.nd.array(feed(x), ctx=ctx[0])).asnumpy().argmax(1) == np.asarray(t).argmax(1)).sum())
     return same / len(idx)
 
 
@@ -150,14 +151,14 @@ def run_folder(args, rank, workers):
     return run_dir
 
 
-def build_student(args, train, augment, ctx):
+def build_student(args, train, augment, ctx, feed=lambda x: x):
     """The student, run once on one sample: a wrong output width is one line before anything starts
     (and its shapes are known before a resume loads parameters)."""
     net = get_model(args.student, train.num_classes, prefix="student_")
     net.initialize(mx.init.Xavier(), ctx=ctx)
     net.hybridize(static_alloc=True)
-    check_student(net, args.student, mx.nd.array(make_views(train, [0], [0], seed=args.seed, augment=augment)[0],
-                                                 ctx=ctx[0]), train.num_classes)
+    x = make_views(train, [0], [0], seed=args.seed, augment=augment)[0]
+    check_student(net, args.student, mx.nd.array(feed(x), ctx=ctx[0]), train.num_classes)
     return net
 
 
@@ -226,7 +227,8 @@ def run(args, plan, targets, threads, cores):
              "of %d core(s)", train.name, n, len(test), classes, args.views, augment.spec, ctx, threads, cores)
 
     # student, targets, optimiser (the student is checked before any producer starts)
-    net = build_student(args, train, augment, ctx)
+    feed = StudentInput(args.student_mean, args.student_std, channels=train.shape[0])  # the student's input only
+    net = build_student(args, train, augment, ctx, feed)
     targets.open(args, plan, run_dir=run_dir, rank=rank, threads=threads, cores=cores, test=test)
     spe = steps_per_epoch(n, args.batch_size)
     trainer, lr_schedule = build_optimizer(args, net, kv, workers, spe)
@@ -237,7 +239,9 @@ def run(args, plan, targets, threads, cores):
         log.info("resuming %s after epoch %d", run_dir, state["epoch"])
     epoch_log = EpochLog(run_dir, resume_after=start_epoch - 1 if args.resume else None)
     join_workers(args, kv, trainer, net)
-    loss_fn = KDLoss(args.temperature, args.alpha if mode != "none" else 0.0)
+    # mixed views (mixup, cutmix) carry labels (label, partner's label, λ): pipeline.augment NOTE (mixed views)
+    loss_fn = KDLoss(args.temperature, args.alpha if mode != "none" else 0.0, label_smoothing=args.label_smoothing,
+                     mixed=mixes(augment))
 
     # epochs
     stall_total, seen, train_s = 0.0, 0, 0.0
@@ -269,7 +273,7 @@ def run(args, plan, targets, threads, cores):
                         continue
                     if mode == "inline":
                         t = targets.forward(x)
-                    xs = gluon.utils.split_and_load(x, ctx, even_split=False)
+                    xs = gluon.utils.split_and_load(feed(x), ctx, even_split=False)
                     ys = gluon.utils.split_and_load(y.astype(np.float32), ctx, even_split=False)
                     ts = gluon.utils.split_and_load(t, ctx, even_split=False) if t is not None else \
                         [mx.nd.zeros((len(a), classes), ctx=a.context) for a in ys]
@@ -316,10 +320,10 @@ def run(args, plan, targets, threads, cores):
             dt = time.perf_counter() - t0
             train_s += dt
             stall_total += pf.stall_s
-            acc, top5, _ = scores(net, test, ctx)
-            val_acc = scores(net, val, ctx)[0] if len(val) else None
+            acc, top5, _ = scores(net, test, ctx, feed=feed)
+            val_acc = scores(net, val, ctx, feed=feed)[0] if len(val) else None
             agree = agreement(net, train, val_idx, view_of_epoch(epoch, args.views), ctx, seed=args.seed,
-                              augment=augment, batch_size=args.batch_size,
+                              augment=augment, batch_size=args.batch_size, feed=feed,
                               teacher_logits=lambda idx, v: targets.teacher_logits(train, idx, v, seed=args.seed,
                                                                                    augment=augment))
             loss = tot_loss / max(1, epoch_seen)
@@ -357,7 +361,7 @@ def run(args, plan, targets, threads, cores):
         "alpha": args.alpha if mode != "none" else 0.0, "epochs": args.epochs, "seed": args.seed,
         "batch_size": args.batch_size,
         "test_acc": history[-1]["test_acc"] if history else None,
-        "test_ece": expected_calibration_error(net, test, ctx) if history else None,  # the last epoch's student
+        "test_ece": expected_calibration_error(net, test, ctx, feed=feed) if history else None,  # the last epoch's student
         "samples_per_s": round(seen / train_s, 1) if train_s else None, "stall_s": round(stall_total, 3),
         **targets.report(args, plan), "teacher_test_acc": teacher_acc,
         "threads": threads, "ctx": str(ctx), "kvstore": args.kvstore, "rank": rank, "workers": workers,

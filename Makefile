@@ -70,7 +70,7 @@ TEACHER_DEP = $(if $(TEACHER),,$(DEFAULT_TEACHER_FILE))
 
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: help options docs setup lock test test-fast torture bench bench-kd bench-fleet bench-publish bench-demand bench-store bench-read bench-checksums bench-producer bench-sizing bench-codecs bench-ensemble bench-quality bench-decode bench-recipe bench-recipe-sweep caches verify teacher cache cache-online train train-dist clean
+.PHONY: help options docs setup lock test test-fast torture bench bench-kd bench-fleet bench-publish bench-demand bench-store bench-read bench-checksums bench-producer bench-sizing bench-codecs bench-ensemble bench-quality bench-worth bench-decode bench-recipe bench-recipe-sweep caches verify teacher cache cache-online train train-dist clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s "$$(printf '\t')"
@@ -151,6 +151,9 @@ bench-ensemble: setup  ## read-time teacher ensembles on mnist5k (DATASET=fashio
 
 bench-quality: setup  ## distillation on the full Fashion-MNIST (apt-get install dataset-fashion-mnist): two students from scratch, inline and from the cache, 5 seeds, the gap each closes (QUICK=1 for a short run)
 	$(PY) -m bench.quality $(if $(QUICK),--quick)
+
+bench-worth: setup  ## what the cache buys at equal compute on the full Fashion-MNIST (apt-get install dataset-fashion-mnist): each student given the same budget of one core, from scratch, inline and from the cache; the patient teacher (8 mixup views); a sweep's teacher forwards (~3 h; QUICK=1 for a short run)
+	$(PY) -m bench.worth $(if $(QUICK),--quick)
 
 bench-store: setup  ## store micro-benchmarks: gather, write order, codec sizes (QUICK=1 for a short run)
 	$(PY) -m bench.store $(if $(QUICK),--quick)

@@ -1,0 +1,60 @@
+"""The equal-compute benchmark (--quick on a slice of the real Fashion-MNIST): budgets bought as epochs, the cache's
+fill charged, the patient cache's views, the sweep's teacher forwards, and its refusals."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.test_bench_quality import HAVE_FASHION, FASHION
+from tests.test_bench_sizing import ENV, assert_refused
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAVE_FASHION, reason=f"Fashion-MNIST is not installed in {FASHION} "
+                    f"(apt-get install dataset-fashion-mnist, as root)")
+def test_worth_quick_report(tmp_path):
+    out = tmp_path / "worth.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.worth", "--quick", "--out", str(out)],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    report = json.loads(out.read_text())
+    n, seeds = report["n_train"], report["settings"]["seeds"]
+    assert report["quick"] and n == 2000 and len(seeds) == 1
+    views = report["settings"]["patient"]["views"]
+    assert report["fills"]["plain"]["teacher_forwards"] == n
+    assert [f["teacher_forwards"] for f in report["fills"]["patient"]] == [n * views] * len(seeds)
+    budgets = [b["budget_s"] for b in report["budgets"]]
+    assert budgets == sorted(budgets) and len(budgets) >= 2
+    for b in report["budgets"]:
+        for name, s in b["students"].items():
+            rows = s["rows"]
+            # only the inline rows run the teacher; a budget's epochs never shrink as the budget grows
+            assert rows["scratch"]["teacher_forwards"] == 0 and rows["cache"]["teacher_forwards"] == 0, name
+            assert rows["inline"]["teacher_forwards"] == rows["inline"]["epochs"] * n * len(seeds), name
+            # the fill charged to one student costs it epochs it keeps when the fill is shared
+            assert rows["cache_amortised"]["epochs"] >= rows["cache"]["epochs"] >= 1, rows
+            assert all(0.0 <= a <= 1.0 for r in rows.values() for a in r["accs"])
+        big = b["budget_s"] == max(budgets)
+        assert all(("patient" in s["rows"]) == big for s in b["students"].values())
+    small, large = report["budgets"][0]["students"], report["budgets"][-1]["students"]
+    for name in small:
+        for way in ("scratch", "inline", "cache"):
+            assert large[name]["rows"][way]["epochs"] >= small[name]["rows"][way]["epochs"], (name, way)
+    sweep = report["sweep"]
+    k = len(report["settings"]["sweep"])
+    assert sweep["cache"]["teacher_forwards"] == n  # one fill for every student of the sweep
+    assert sweep["inline"]["teacher_forwards"] == k * report["settings"]["sweep_epochs"] * n
+    from bench.common import rendered
+    from bench.worth.run import render
+    text = rendered(render(report))
+    assert "from the cache (fill charged)" in text and "patient cache" in text
+
+
+@pytest.mark.parametrize("flag,argv", [("--seeds", "--seeds 0"), ("--budget-scale", "--budget-scale x"),
+                                       ("--jobs", "--jobs 0")])
+def test_worth_bad_options(tmp_path, flag, argv):
+    assert_refused(tmp_path, "worth", flag, argv)

@@ -250,7 +250,6 @@ class Augment:
             out[k] = crop[:, :, ::-1] if flip[k] else crop
         return out
 
-
     def partners(self, seed, indices, views, n):
         """(j int64 [B], λ float64 [B]) per key (indices, views): the partner sample, uniform over the
         data set's n indices (it may be the sample itself), and the mixing proportion ~ Beta(ALPHA, ALPHA),

@@ -171,7 +171,8 @@ def run(kids, args, p, work):
     for s in p["students"]:
         for m, *_ in ways:
             (e1, w1), (e2, w2) = ((e, res[("calib", s, m, e)]["_wall_s"]) for e in CALIBRATION)
-            epoch = max(0.01, (w2 - w1) / (e2 - e1))
+            # never less than the one epoch the trainer timed itself: two runs' difference can be noise
+            epoch = max((w2 - w1) / (e2 - e1), res[("calib", s, m, e1)]["epoch1_s"] or 0.0, 0.01)
             costs[(s, m)] = {"epoch_s": round(epoch, 2), "overhead_s": round(max(0.0, w1 - e1 * epoch), 2)}
     fills = {"plain": {"wall_s": round(res["fill"]["_wall_s"], 1), "teacher_forwards": res["fill"]["teacher_forwards"]},
              "patient": [{"seed": s, "wall_s": round(res[("fill_patient", s)]["_wall_s"], 1),

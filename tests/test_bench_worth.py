@@ -33,8 +33,11 @@ def test_worth_quick_report(tmp_path):
         for name, s in b["students"].items():
             rows = s["rows"]
             # only the inline rows run the teacher; a budget's epochs never shrink as the budget grows
-            assert rows["scratch"]["teacher_forwards"] == 0 and rows["cache"]["teacher_forwards"] == 0, name
+            # the student runs of the cache never run the teacher: their forwards are the fill's, charged
+            assert rows["scratch"]["teacher_forwards"] == 0, name
+            assert rows["cache"]["teacher_forwards"] == n * len(seeds), name
             assert rows["inline"]["teacher_forwards"] == rows["inline"]["epochs"] * n * len(seeds), name
+            assert rows["cache_amortised"]["fill_s"] < rows["cache"]["fill_s"] == report["fills"]["plain"]["wall_s"]
             # the fill charged to one student costs it epochs it keeps when the fill is shared
             assert rows["cache_amortised"]["epochs"] >= rows["cache"]["epochs"] >= 1, rows
             assert all(0.0 <= a <= 1.0 for r in rows.values() for a in r["accs"])

@@ -58,6 +58,7 @@ def test_worth_quick_report(tmp_path):
 
 
 @pytest.mark.parametrize("flag,argv", [("--seeds", "--seeds 0"), ("--budget-scale", "--budget-scale x"),
-                                       ("--jobs", "--jobs 0")])
+                                       ("--jobs", "--jobs 0"),
+                                       ("--data-root", "--data-root {tmp}/dir --tmp {tmp}/scratch")])
 def test_worth_bad_options(tmp_path, flag, argv):
     assert_refused(tmp_path, "worth", flag, argv)

@@ -80,13 +80,20 @@ def idx_folder(root):
     return None
 
 
-def params(ap, args):
-    """The run's parameters; a missing data set or a contradictory option ends it with one line, before
-    anything is trained."""
+def data_root(ap, args):
+    """--data-root (else DATA_ROOT) when it holds Fashion-MNIST's IDX files; otherwise the command ends with one
+    line naming the package that installs them, before anything is trained."""
     root = args.data_root or DATA_ROOT
     if idx_folder(root) is None:
         ap.error(f"argument --data-root: no Fashion-MNIST IDX files ({IDX_FILES[0]}[.gz] and the other three) in "
                  f"{root}: install them with `{INSTALL}` (as root; they go to {DATA_ROOT}) or pass --data-root DIR")
+    return root
+
+
+def params(ap, args):
+    """The run's parameters; a missing data set or a contradictory option ends it with one line, before
+    anything is trained."""
+    root = data_root(ap, args)
     given_teacher(ap, args)
     p = dict(QUICK if args.quick else FULL)
     p["teacher"] = dict(TEACHER, epochs=QUICK_TEACHER_EPOCHS if args.quick else TEACHER["epochs"])

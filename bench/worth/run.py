@@ -11,7 +11,7 @@ import math  # noqa: E402
 from bench.cli import RUN, given_teacher, like, out_option, quick_option, tmp_option, trainer_option  # noqa: E402
 from bench.common import heading, machine_line, make_log, md_table, python_m, rendered  # noqa: E402
 from bench.common import run_tasks, spread, verdict  # noqa: E402
-from bench.quality.run import DATA_ROOT, IDX_FILES, INSTALL, TEACHER, idx_folder, teacher_task, write_slice  # noqa: E402
+from bench.quality.run import DATA_ROOT, INSTALL, TEACHER, data_root, teacher_task, write_slice  # noqa: E402
 from kdcache.args import Dir, Int, Option  # noqa: E402
 
 DEFAULT_OUT = os.path.join("bench", "results", "worth.json")
@@ -65,10 +65,9 @@ OPTIONS = [
 
 
 def params(ap, args):
-    root = args.data_root or DATA_ROOT
-    if idx_folder(root) is None:
-        ap.error(f"argument --data-root: no Fashion-MNIST IDX files ({IDX_FILES[0]}[.gz] and the other three) in "
-                 f"{root}: install them with `{INSTALL}` (as root; they go to {DATA_ROOT}) or pass --data-root DIR")
+    """The run's parameters; a missing data set or a contradictory option ends it with one line, before
+    anything is trained."""
+    root = data_root(ap, args)
     given_teacher(ap, args)
     p = dict(QUICK if args.quick else FULL)
     p["teacher"] = dict(TEACHER, epochs=QUICK_TEACHER_EPOCHS if args.quick else TEACHER["epochs"])

@@ -26,6 +26,17 @@ def codec_words():
     return st.one_of(shaped, st.text(max_size=12))
 
 
+def is_valid_codec(word):
+    """The grammar as the documentation states it, written here apart from the code: full | int8 | topk:K |
+    sampled:K, K in ASCII digits, topk's K >= 1, sampled's from 1 to 65535; case and surrounding space aside."""
+    import re
+    w = word.strip().lower()
+    if w in ("full", "int8"):
+        return True
+    m = re.fullmatch(r"(topk|sampled):([0-9]+)", w)
+    return bool(m) and 1 <= int(m.group(2)) <= (65535 if m.group(1) == "sampled" else CLASSES)
+
+
 @settings(max_examples=400, deadline=None)
 @given(codec_words())
 def test_the_option_and_make_codec_accept_and_refuse_the_same_codecs(word):
@@ -37,13 +48,24 @@ def test_the_option_and_make_codec_accept_and_refuse_the_same_codecs(word):
     try:
         option = Codec()(word)
     except argparse.ArgumentTypeError as e:
+        assert not is_valid_codec(word), f"a valid codec refused: {word!r}: {e}"  # a refusal is no pass by itself
         with pytest.raises(BadInputError) as stored:
             make_codec(word, CLASSES)
         allowed = f": use {codecs_allowed()}"  # one list of what is allowed, said by the registry
         assert str(e) == f"{word!r}{allowed}"
         assert str(stored.value) == f"codec {word.strip().lower()!r} is unknown{allowed}"
         return
+    assert is_valid_codec(word), f"an invalid codec accepted: {word!r} -> {option!r}"
     assert make_codec(word, CLASSES).spec == option
+
+
+@pytest.mark.parametrize("word,spec", [("full", "full"), (" INT8 ", "int8"), ("topk:5", "topk:5"), ("TopK:05", "topk:5"),
+                                       ("sampled:1", "sampled:1"), ("sampled:65535", "sampled:65535")])
+def test_every_valid_codec_is_taken_by_both_readers(word, spec):
+    """The oracle's valid side, named: both readers take these and agree on their canonical form."""
+    from kdcache.pipeline.options import Codec
+    from kdcache.store import make_codec
+    assert is_valid_codec(word) and Codec()(word) == make_codec(word, CLASSES).spec == spec
 
 
 def test_the_allowed_codecs_are_the_registrys():

@@ -117,6 +117,13 @@ def test_a_users_mistake_is_still_one_line_and_exit_2(tmp_path, capsys, teacher)
     assert_one_line(r.returncode, r.stderr, "synthetic:n=100,colour=red")
     r = kdcache_cmd("cache", "--teacher", teacher, "--ring", "r", env={"KDCACHE_RING_TIMEOUT": "soon"}, cwd=tmp_path)
     assert_one_line(r.returncode, r.stderr, "KDCACHE_RING_TIMEOUT")
+    # the refusals a command makes itself, before its work, go through the same ending
+    r = kdcache_cmd("cache", "--teacher", teacher, env={"KDCACHE_TEACHER_THREADS": "many"}, cwd=tmp_path)
+    assert_one_line(r.returncode, r.stderr, "KDCACHE_TEACHER_THREADS='many': use an integer from 1 to 1024")
+    r = kdcache_cmd("train", "--teacher-mode", "none", "--runs-dir", tmp_path / "runs", "--run", "r", "--resume",
+                    cwd=tmp_path)
+    assert_one_line(r.returncode, r.stderr, "argument --resume:")
+    assert "has no checkpoint (state.json): run without --resume" in r.stderr
 
 
 def test_an_unknown_option_is_still_argparses_one_line():

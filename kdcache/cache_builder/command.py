@@ -4,6 +4,7 @@ import logging
 import os
 import sys
 
+from kdcache.cache_builder.errors import ProducerError
 from kdcache.cache_builder.options import parse_args
 from kdcache.cache_builder.runs import run
 from kdcache.errors import USER_ERROR, as_command, refused
@@ -22,9 +23,7 @@ def main(argv=None, prog="python -m kdcache.cache_builder"):
         default = max(1, cores // args.shards)
     env_threads = os.environ.get("KDCACHE_TEACHER_THREADS", "")
     if env_threads and not (env_threads.isdigit() and 1 <= int(env_threads) <= 1024):
-        print(f"error: KDCACHE_TEACHER_THREADS={env_threads!r}: use an integer from 1 to 1024, or unset it",
-              file=sys.stderr)
-        return 2
+        raise ProducerError(f"KDCACHE_TEACHER_THREADS={env_threads!r}: use an integer from 1 to 1024, or unset it")
     threads = args.threads or int(env_threads or 0) or default
     args.cores, args.teacher_threads = cores, threads  # for the decode workers' default (decode_workers)
     fix_threads(threads)  # its decode workers inherit one OpenCV thread each (kdcache.threads)

@@ -8,6 +8,7 @@ import time
 import traceback
 
 from kdcache.errors import as_command
+from kdcache.trainer.errors import TrainError
 
 
 def recipe_line(r):
@@ -65,13 +66,10 @@ def train_main(argv=None, prog="python -m kdcache.trainer"):
     run_dir = os.path.join(args.runs_dir, args.run_name)
     if not (args.kvstore or "").startswith("dist"):  # a worker checks its own folder once it knows its rank
         if os.path.exists(os.path.join(run_dir, "state.json")) and not args.resume:
-            print(f"error: argument --run: run {run_dir} exists: pass --resume to continue it or "
-                  f"another --run name", file=sys.stderr)
-            return 2
+            raise TrainError(f"argument --run: run {run_dir} exists: pass --resume to continue it or another "
+                             f"--run name")
         if args.resume and not os.path.exists(os.path.join(run_dir, "state.json")):
-            print(f"error: argument --resume: {run_dir} has no checkpoint (state.json): run without "
-                  f"--resume", file=sys.stderr)
-            return 2
+            raise TrainError(f"argument --resume: {run_dir} has no checkpoint (state.json): run without --resume")
     if not (args.kvstore or "").startswith("dist"):  # a distributed worker blocks in the kvstore: SIGTERM ends it
         from kdcache.pipeline.interrupts import take_sigterm
         take_sigterm()

@@ -214,9 +214,9 @@ def main(argv=None, prog="python -m kdcache.trainer.make_teacher"):
             args.augment = resolve_augment(args.augment, train, 1)
             args.augment.check(train, args.seed)
         if train.num_classes != test.num_classes:
-            print(f"error: the train split has {train.num_classes} classes, the test split {test.num_classes}: "
-                  f"the two splits must have the same classes", file=sys.stderr)
-            return 2
+            from kdcache.pipeline.dataset_base import DatasetError
+            raise DatasetError(f"the train split has {train.num_classes} classes, the test split "
+                               f"{test.num_classes}: the two splits must have the same classes")
         logging.info("teacher %s on %s (%d train, %d test samples, %d classes, images %s), %d epochs, augment %s",
                      args.arch, args.dataset, len(train), len(test), train.num_classes,
                      "x".join(map(str, train.shape)), args.epochs, args.augment.spec)

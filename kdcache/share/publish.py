@@ -10,10 +10,9 @@ from kdcache.errors import KdcacheError, as_command
 from kdcache.store.folder import registry
 from kdcache.store.errors import StoreError
 from kdcache.store.format.fingerprint import is_fingerprint
-from kdcache.store.files.segment import final_spec
+from kdcache.store.files.segment import final_spec, open_final
 from kdcache.store.osutil import NotOurs, open_regular
 from kdcache.store.files.paths import base_path, final_path, parts_path, path_for
-from kdcache.store.files.segment import open_final
 
 from . import manifest as M
 from .remote import CHUNK, Flusher, place

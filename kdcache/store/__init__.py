@@ -3,10 +3,9 @@
 Imports no deep-learning framework: any program with numpy and h5py can read a cache.
 """
 from .format.codec import make_codec
-from .errors import (BadInputError, CacheNotFoundError, ConsumerGoneError, DamagedFileError, FingerprintMismatchError,
-                     MissingTargetsError, ProducerGoneError, StoreError, UnsupportedFormatError,
-                     WriterBusyError)
-from .errors import CacheChangedError, DamagedRowsError, NewerFormatError, NoSpaceError
+from .errors import (BadInputError, CacheChangedError, CacheNotFoundError, ConsumerGoneError, DamagedFileError,
+                     DamagedRowsError, FingerprintMismatchError, MissingTargetsError, NewerFormatError, NoSpaceError,
+                     ProducerGoneError, StoreError, UnsupportedFormatError, WriterBusyError)
 from .osutil import NotTrusted
 from .files.parts import PartConflictError
 from .format.fingerprint import file_digest, fingerprint

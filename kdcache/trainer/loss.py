@@ -28,8 +28,7 @@ from mxnet import gluon
 from kdcache.args import Temperature
 from kdcache.store.format.schema import name_keys
 from kdcache.trainer.defaults import DEFAULT_ALPHA, DEFAULT_TEMPERATURE, SMOOTHING
-from kdcache.trainer.errors import TrainError
-from kdcache.trainer.errors import BadValueError
+from kdcache.trainer.errors import BadValueError, TrainError
 
 
 class NonFiniteError(TrainError, ValueError):

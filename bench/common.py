@@ -172,25 +172,58 @@ class Children:
         self.live.clear()
 
 
-def run_tasks(kids, jobs, tasks, log):
+def finished_tasks(journal):
+    """{repr(key): result} of the tasks a journal (JSON lines, see run_tasks) holds; {} without one. A last
+    line cut short by a crash is left out: that task runs again."""
+    out = {}
+    try:
+        with open(journal) as fh:
+            for line in fh:
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    continue
+                out[row["key"]] = row["result"]
+    except FileNotFoundError:
+        pass
+    return out
+
+
+def run_tasks(kids, jobs, tasks, log, journal=None):
     """{key: result} of tasks run `jobs` at a time: each time a slot is free, the first task in the order given
     whose "after" tasks have all finished starts (a task waiting for another holds no slot). A task is a dict:
     key, argv, what, timeout, and optionally after (keys of earlier tasks), json_line (False: the child prints
     no JSON line), then (a function of the result, run before scratch is removed, whose return is the result)
     and scratch (a folder removed once the task ends). The first failure stops the others and is raised; so
-    does a Ctrl-C, the children then stopped by the caller (Children.stop_all)."""
+    does a Ctrl-C, the children then stopped by the caller (Children.stop_all).
+
+    journal: a file each finished task's result is appended to (one JSON line, flushed to disk) and read back
+    first: a task it holds is not run again, so a long benchmark stopped half way resumes where it was."""
     keys = {t["key"] for t in tasks}
     for t in tasks:
         missing = [k for k in t.get("after", ()) if k not in keys]
         if missing:
             raise BenchError(f"bench: {t['what']} waits for {missing}, which is not among the tasks")
     pending, done, results, errors, running, threads = list(tasks), set(), {}, [], [0], []
+    if journal:
+        old = finished_tasks(journal)
+        for t in [t for t in pending if repr(t["key"]) in old]:
+            pending.remove(t)
+            done.add(t["key"])
+            results[t["key"]] = old[repr(t["key"])]
+        if done:
+            log(f"{len(done)} task(s) already finished in {journal}: not run again")
     cond = threading.Condition()
 
     def one(t):
         try:
             res = kids.run(t["argv"], t["what"], timeout=t["timeout"], json_line=t.get("json_line", True))
             results[t["key"]] = t["then"](res) if t.get("then") else res
+            if journal:
+                with cond, open(journal, "a") as fh:
+                    fh.write(json.dumps({"key": repr(t["key"]), "result": results[t["key"]]}) + "\n")
+                    fh.flush()
+                    os.fsync(fh.fileno())
             log(f"{t['what']}: done in {res['_wall_s']:.0f} s")
         except BaseException as e:
             errors.append(e)

@@ -17,11 +17,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.mark.skipif(not HAVE_FASHION, reason=f"Fashion-MNIST is not installed in {FASHION} "
                     f"(apt-get install dataset-fashion-mnist, as root)")
 def test_worth_quick_report(tmp_path):
-    out = tmp_path / "worth.json"
-    proc = subprocess.run([sys.executable, "-m", "bench.worth", "--quick", "--out", str(out)],
-                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=1500)
+    out, work = tmp_path / "worth.json", tmp_path / "work"
+    argv = [sys.executable, "-m", "bench.worth", "--quick", "--resume", str(work)]
+    proc = subprocess.run(argv + ["--out", str(out)], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                          timeout=1500)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     report = json.loads(out.read_text())
+    # the same command again runs nothing: every run is in the journal, and the report is the same
+    again = subprocess.run(argv + ["--out", str(tmp_path / "again.json")], cwd=ROOT, env=ENV,
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-4000:]
+    assert "done in" not in again.stdout + again.stderr, again.stderr[-2000:]
+    redo = json.loads((tmp_path / "again.json").read_text())
+    assert (redo["budgets"], redo["sweep"], redo["fills"]) == (report["budgets"], report["sweep"], report["fills"])
     n, seeds = report["n_train"], report["settings"]["seeds"]
     assert report["quick"] and n == 2000 and len(seeds) == 1
     views = report["settings"]["patient"]["views"]
@@ -42,7 +50,8 @@ def test_worth_quick_report(tmp_path):
             assert rows["cache_amortised"]["epochs"] >= rows["cache"]["epochs"] >= 1, rows
             assert all(0.0 <= a <= 1.0 for r in rows.values() for a in r["accs"])
         big = b["budget_s"] == max(budgets)
-        assert all(("patient" in s["rows"]) == big for s in b["students"].values())
+        who = report["settings"]["patient"]["student"]
+        assert all(("patient" in s["rows"]) == (big and name == who) for name, s in b["students"].items())
     small, large = report["budgets"][0]["students"], report["budgets"][-1]["students"]
     for name in small:
         for way in ("scratch", "inline", "cache"):
@@ -62,3 +71,24 @@ def test_worth_quick_report(tmp_path):
                                        ("--data-root", "--data-root {tmp}/dir --tmp {tmp}/scratch")])
 def test_worth_bad_options(tmp_path, flag, argv):
     assert_refused(tmp_path, "worth", flag, argv)
+
+
+def test_journal_resumes_after_a_failure(tmp_path):
+    """A run stopped by a failing task keeps what finished: run again, only the failed task and those after it run."""
+    from bench.common import BenchError, Children, run_tasks
+    flag, journal, ran = tmp_path / "fixed", tmp_path / "finished.jsonl", []
+
+    def task(key, code, after=()):
+        return {"key": key, "what": str(key), "timeout": 60, "after": list(after),
+                "argv": [sys.executable, "-c", f"import json, os, sys\n{code}\nprint(json.dumps({{'k': {key[1]}}}))"]}
+    tasks = [task(("a", 1), ""), task(("b", 2), f"sys.exit(0 if os.path.exists({str(flag)!r}) else 3)", [("a", 1)]),
+             task(("c", 3), "", [("b", 2)])]
+    kids = Children()
+    with pytest.raises(BenchError):
+        run_tasks(kids, 1, tasks, ran.append, str(journal))
+    assert [json.loads(line)["key"] for line in journal.read_text().splitlines()] == [repr(("a", 1))]
+    flag.write_text("")
+    res = run_tasks(kids, 1, tasks, ran.append, str(journal))
+    assert {k: v["k"] for k, v in res.items()} == {("a", 1): 1, ("b", 2): 2, ("c", 3): 3}
+    assert any("1 task(s) already finished" in line for line in ran)
+    assert sum("('a', 1): done" in line for line in ran) == 1  # a ran once, in the first run

@@ -28,8 +28,10 @@ QUICK_BUDGETS = (10, 16)
 # The patient and consistent teacher (Beyer et al. 2022): one cache of V keyed views with mixup, filled once,
 # against the same budget spent on the same augmentation inline (the teacher sees each mixed image once) and
 # from scratch. It runs at the largest budget.
-PATIENT = {"views": 8, "augment": "crop:2,flip,mixup:0.2"}
-QUICK_PATIENT = {"views": 2, "augment": "crop:2,flip,mixup:0.2"}
+# One student takes these rows (the small CNN: its epoch from the cache is the shorter, so the budget buys it
+# the most epochs, and crops and flips are views a convolution can use); --quick's one student otherwise.
+PATIENT = {"views": 8, "augment": "crop:2,flip,mixup:0.2", "student": "small_cnn_flat"}
+QUICK_PATIENT = {"views": 2, "augment": "crop:2,flip,mixup:0.2", "student": "mlp800x2"}
 # A sweep: N students that differ in network, T and alpha, from one cache against the same N inline.
 SWEEP = [("mlp800x2", 4.0, 0.5), ("mlp800x2", 8.0, 0.7), ("small_cnn_flat", 4.0, 0.5), ("small_cnn_flat", 2.0, 0.9)]
 SWEEP_EPOCHS, QUICK_SWEEP_EPOCHS = 2, 1
@@ -61,6 +63,9 @@ OPTIONS = [
     out_option(DEFAULT_OUT, "JSON report"),
     tmp_option("work directory for the teacher, the caches and the runs (default: a new temporary directory, "
                "removed at the end; a directory given here is kept)"),
+    Option("--resume", "work in DIR (made if missing) and keep it there with a journal of the runs that "
+           "finished: the same command with the same DIR again runs only what is missing (a stopped full run "
+           "resumes)", type=Dir(), metavar="DIR", group=RUN),
 ]
 
 
@@ -127,6 +132,9 @@ def epochs_for(budget, cost, charge=0.0):
 
 # -- the run ---------------------------------------------------------------------------------------------
 def run(kids, args, p, work):
+    if args.resume:
+        work = os.path.abspath(args.resume)
+        os.makedirs(work, exist_ok=True)
     seeds = list(range(p["seeds"]))
     if args.quick:
         p["data_path"] = os.path.join(work, "fashion-mnist-slice.npz")
@@ -158,17 +166,21 @@ def run(kids, args, p, work):
             ("patient", "cache", [("fill_patient", 0)], {"views": pat["views"], "augment": pat["augment"]}))
     for s in p["students"]:
         calib += [student_task(p, prefix, work, ("calib", s, m, e), s, tm, 0, e, after=aft, **kw)
-                  for m, tm, aft, kw in ways for e in CALIBRATION]
+                  for m, tm, aft, kw in ways for e in CALIBRATION
+                  if m in MODES or s == pat["student"]]
     for t in tasks + calib:
         t["after"] = [k for k in t.get("after", ()) if k != "teacher" or not args.teacher]
     log(f"{len(tasks) + len(calib)} children first: the teacher, the fills and the calibration of each way")
-    res = run_tasks(kids, p["jobs"], tasks + calib, log)
+    journal = os.path.join(work, "finished.jsonl") if args.resume else None
+    res = run_tasks(kids, p["jobs"], tasks + calib, log, journal)
     if not args.teacher:
         with open(f"{prefix}-info.json") as fh:
             teacher.update(json.load(fh), wall_s=round(res["teacher"]["_wall_s"], 1))
     costs = {}
     for s in p["students"]:
         for m, *_ in ways:
+            if ("calib", s, m, CALIBRATION[0]) not in res:
+                continue  # a patient way of another student
             (e1, w1), (e2, w2) = ((e, res[("calib", s, m, e)]["_wall_s"]) for e in CALIBRATION)
             # never less than the one epoch the trainer timed itself: two runs' difference can be noise
             epoch = max((w2 - w1) / (e2 - e1), res[("calib", s, m, e1)]["epoch1_s"] or 0.0, 0.01)
@@ -188,7 +200,7 @@ def run(kids, args, p, work):
             ep = {"scratch": epochs_for(budget, c("scratch")), "inline": epochs_for(budget, c("inline")),
                   "cache": epochs_for(budget, c("cache"), fills["plain"]["wall_s"]),
                   "cache_amortised": epochs_for(budget, c("cache"), fills["plain"]["wall_s"] / plain_readers)}
-            if budget == max(p["budgets"]):
+            if budget == max(p["budgets"]) and s == pat["student"]:
                 pf = sum(f["wall_s"] for f in fills["patient"]) / len(seeds)
                 ep.update(scratch_aug=epochs_for(budget, c("scratch_aug")), inline_aug=epochs_for(budget, c("inline_aug")),
                           patient=epochs_for(budget, c("patient"), pf))
@@ -209,7 +221,7 @@ def run(kids, args, p, work):
                                      temperature=t, alpha=a))
     runs.sort(key=lambda t: -t["argv"].count("inline"))  # the longest (inline) first, so the two cores end together
     log(f"{len(runs)} student runs, {p['jobs']} at a time")
-    res.update(run_tasks(kids, p["jobs"], runs, log))
+    res.update(run_tasks(kids, p["jobs"], runs, log, journal))
     return report_of(p, seeds, teacher, fills, costs, plan, res, n_train, n_test, bool(args.quick))
 
 
@@ -339,6 +351,6 @@ def show(report):
           f"{s['teacher']['arch']}: {pct(report['teacher']['test_acc'])}. Budgets: "
           f"{', '.join(f'{b} s' for b in s['budgets_s'])} of one core per student, start-up and test pass "
           f"included; seeds {', '.join(map(str, s['seeds']))}; KD T={s['temperature']:g}, alpha={s['alpha']:g}; "
-          f"patient: {s['patient']['views']} views of {s['patient']['augment']}.\n")
+          f"patient ({s['patient']['student']}): {s['patient']['views']} views of {s['patient']['augment']}.\n")
     print(rendered(render(report)) + "\n")
     print("\n".join(verdict_lines(report)))

@@ -15,14 +15,14 @@ import re
 import subprocess
 import sys
 import tempfile
-from typing import Any, Optional, Union
+from typing import Any, Optional, Sequence, Union
 
 from kdcache.errors import BUG, BadTypeError, KdcacheError
 
 # The keyword arguments build_cache and cache_path turn into the producer's options (the flag is
 # the keyword with '_' as '-'); the values are checked by the options' own types.
 _OPTION_KEYWORDS = ("views", "augment", "codec", "dtype", "cache_dir", "cache", "seed", "data_root", "image_size",
-                    "num_classes", "split", "teacher_input", "teacher_mean", "teacher_std", "teacher_size",
+                    "num_classes", "classes", "split", "teacher_input", "teacher_mean", "teacher_std", "teacher_size",
                     "batch_size", "threads", "engine", "address", "actors", "actor_cpus", "block_rows", "scratch")
 
 
@@ -31,16 +31,19 @@ class BuildError(KdcacheError, ValueError):
 
 
 def load_dataset(name: str, *, data_root: Optional[str] = None, split: str = "train",
-                 image_size: Union[str, tuple, None] = None, num_classes: Optional[int] = None):
+                 image_size: Union[str, tuple, None] = None, num_classes: Optional[int] = None,
+                 classes: Union[str, Sequence[str], None] = None):
     """A kdcache data set by name, as `kdcache cache --dataset NAME` loads it: digits | mnist5k |
     synthetic[:n=..] | mnist | fashion-mnist | cifar10 | cifar100 | npz | recordio | imagefolder |
     MODULE:FUNCTION. Items are (image float32 [C, H, W] in [0, 1], label); `num_classes`, `shape`
     and `identity()` (what a cache's fingerprint records of it) come with it. `image_size`: "HxW" or
-    (H, W), read as --image-size reads it. Loading imports no MXNet."""
-    from kdcache.args import Size
+    (H, W), read as --image-size reads it; `classes`: "cat,dog" or ["cat", "dog"] (recordio: label numbers),
+    read as --classes reads it. Loading imports no MXNet."""
+    from kdcache.args import ClassNames, Size
     from kdcache.pipeline.datasets import DatasetError, load_dataset as load
     size = None if image_size is None else Size().coerce(image_size, "--image-size", DatasetError)
-    return load(name, data_root=data_root, split=split, image_size=size, num_classes=num_classes)
+    chosen = None if classes is None else ClassNames().coerce(classes, "--classes", DatasetError)
+    return load(name, data_root=data_root, split=split, image_size=size, num_classes=num_classes, classes=chosen)
 
 
 def _dataset_name(dataset) -> str:
@@ -159,6 +162,7 @@ def cache_path(teacher: Union[str, Any], dataset: str, *, views: int = 1, augmen
     the teacher's files are hashed, as the producer does to name the cache)."""
     from kdcache.cache_builder.options import parse_args
     from kdcache.pipeline.cachespec import spec_from_args
+    from kdcache.pipeline.datasets import load_from_options
     from kdcache.pipeline.teacher_files import TeacherOptions
     from kdcache.store import path_for
     opts = dict(views=views, augment=augment, codec=codec, dtype=dtype, cache_dir=cache_dir, seed=seed, **options)
@@ -171,7 +175,6 @@ def cache_path(teacher: Union[str, Any], dataset: str, *, views: int = 1, augmen
         except SystemExit:  # the producer's parser said what is wrong in one line
             raise BuildError(_one_line(err.getvalue(), "bad arguments")) from None
         topt = TeacherOptions.from_args(args)
-        dataset_obj = load_dataset(args.dataset, data_root=args.data_root, split=args.split,
-                                   image_size=args.image_size, num_classes=args.num_classes)
+        dataset_obj = load_from_options(args, args.split)
         spec, _ = spec_from_args(args, dataset_obj, topt)
     return (args.cache or path_for(args.cache_dir, spec.fingerprint)) + ".h5"

@@ -179,6 +179,27 @@ class Size(Allowed):
         return f"{v[0]}x{v[1]}"
 
 
+class ClassNames(Allowed):
+    """Two or more class names separated by commas, each once: class folder names (imagefolder) or label
+    numbers (recordio); no '/' and no control character in a name."""
+
+    def __call__(self, s):
+        names = tuple(x.strip() for x in str(s).split(","))
+        if any(not x or "/" in x or any(ord(c) < 32 or ord(c) == 127 for c in x) for x in names):
+            fail(f"{s!r}: use class names separated by commas (a class folder's name, or a recordio label "
+                 f"number), e.g. cat,dog or 0,3,7")
+        twice = sorted({x for x in names if names.count(x) > 1})
+        if twice:
+            fail(f"{s!r}: {', '.join(map(repr, twice))} named twice: name each class once")
+        if len(names) < 2:
+            fail(f"{s!r}: name at least two classes (a student of one class learns nothing)")
+        return names
+
+    @staticmethod
+    def format(v):
+        return ",".join(v)
+
+
 class Choice(Allowed):
     def __init__(self, *values):
         self.values = values

@@ -49,13 +49,12 @@ class TaskRunner:
         fix_threads(threads)  # before MXNet loads (in a Ray worker: nothing has loaded it yet)
         from kdcache.pipeline.cachespec import spec_from_args
         from kdcache.pipeline.teacher_files import TeacherOptions
-        from kdcache.pipeline.datasets import load_dataset
+        from kdcache.pipeline.datasets import load_from_options
         from kdcache.pipeline.teacher import check_fits, load_teacher
         from kdcache.store.files.parts import host_identity
         self.args = args
         topt = TeacherOptions.from_args(args)
-        self.dataset = load_dataset(args.dataset, data_root=args.data_root, split=args.split,
-                                    image_size=args.image_size, num_classes=args.num_classes)
+        self.dataset = load_from_options(args, args.split)
         self.spec, self.augment = spec_from_args(args, self.dataset, topt)
         if self.spec.fingerprint != fingerprint:
             raise ProducerError(

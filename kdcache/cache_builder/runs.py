@@ -21,14 +21,13 @@ def write_timeline(path, timeline):
 def run(args, log):
     from kdcache.pipeline.cachespec import spec_from_args
     from kdcache.pipeline.teacher_files import TeacherOptions
-    from kdcache.pipeline.datasets import load_dataset
+    from kdcache.pipeline.datasets import load_from_options
     from kdcache.store import path_for
 
     shard = tuple(args.shard)  # (index, count), as --shard parsed it
     topt = TeacherOptions.from_args(args)
     t0 = time.perf_counter()
-    dataset = load_dataset(args.dataset, data_root=args.data_root, split=args.split,
-                           image_size=args.image_size, num_classes=args.num_classes)
+    dataset = load_from_options(args, args.split)
     spec, augment = spec_from_args(args, dataset, topt)
     path = args.cache or path_for(args.cache_dir, spec.fingerprint)
     log.info("data set %s/%s: %d samples, %d classes; %d view(s), augment %s; codec %s/%s",

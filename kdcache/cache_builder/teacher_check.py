@@ -177,7 +177,8 @@ def recorded_inputs(args, inputs, sources=None):
                       f"drop --data-root")
     data_root, image_size = (None, None) if builtin else recorded_files(args, rec, sources or {})
     dataset = load_dataset(dataset_name(rec), data_root=data_root, split=rec.get("split", "train"),
-                           image_size=image_size, num_classes=rec.get("num_classes"))
+                           image_size=image_size, num_classes=rec.get("num_classes"),
+                           classes=None if builtin else recorded_classes(sources or {}))
     got = dataset.identity()
     differ = sorted(k for k in set(rec) | set(got) if rec.get(k) != got.get(k))
     if differ:
@@ -221,6 +222,20 @@ def recorded_files(args, rec, sources):
         raise Refused(f"argument --image-size: the cache was built with {built}, you passed --image-size "
                       f"{args.image_size[0]}x{args.image_size[1]}: drop --image-size (the recorded size is used)")
     return args.data_root or root, size
+
+
+def recorded_classes(sources):
+    """The --classes a cache was built with (its record, read back once into what --classes gives), or None."""
+    from kdcache.args import ClassNames
+    if sources.get("classes") is None:
+        return None
+    try:
+        if not isinstance(sources["classes"], list):
+            raise TypeError(sources["classes"])
+        return ClassNames().coerce(tuple(map(str, sources["classes"])), "--classes")
+    except (TypeError, ValueError):
+        raise Refused(f"the cache records classes {sources['classes']!r}, not a list of class names: the cache "
+                      f"is damaged; build it again") from None
 
 
 def tolerance(fresh, dtype):

@@ -75,8 +75,9 @@ def sources_from_args(args):
     root = getattr(args, "data_root", None)
     if not root:
         return {}
-    size = getattr(args, "image_size", None)
-    return {"data_root": os.path.abspath(root), "image_size": [int(v) for v in size] if size else None}
+    size, classes = getattr(args, "image_size", None), getattr(args, "classes", None)
+    return {"data_root": os.path.abspath(root), "image_size": [int(v) for v in size] if size else None,
+            **({"classes": list(classes)} if classes else {})}  # no key without --classes: older records stay
 
 
 def augment_from_inputs(inputs):

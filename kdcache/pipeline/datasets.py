@@ -89,19 +89,36 @@ DATASETS = ("digits", "mnist5k", "synthetic", "mnist", "fashion-mnist", "cifar10
 BUILTIN = ("digits", "mnist5k", "synthetic")
 
 
-def load_dataset(name, *, data_root=None, split="train", image_size=None, num_classes=None):
+# The options that say which data set a command loads, beside --dataset: every command hands them on through
+# load_from_options, so a new one reaches the producer, the trainer, the teacher and the Python door alike.
+DATA_OPTIONS = ("data_root", "image_size", "num_classes", "classes")
+
+
+def load_from_options(args, split):
+    """The `split` of the data set a command line names (--dataset and DATA_OPTIONS, those a command lacks
+    None)."""
+    return load_dataset(args.dataset, split=split, **{k: getattr(args, k, None) for k in DATA_OPTIONS})
+
+
+def load_dataset(name, *, data_root=None, split="train", image_size=None, num_classes=None, classes=None):
     """A data set by name: digits | mnist5k | synthetic[:n=..,classes=..,shape=CxHxW,seed=..] | mnist |
     fashion-mnist | cifar10 | cifar100 (files under data_root) | npz | recordio (a file) | imagefolder (a dir) |
     MODULE:FUNCTION (the user's own, pipeline.user_code). `image_size`: (H, W), ints, as --image-size parsed it
-    (kdcache.load_dataset parses a user's HxW), or None."""
+    (kdcache.load_dataset parses a user's HxW), or None. `classes`: a tuple of class names as --classes parsed
+    it (recordio, imagefolder: only those classes, labelled in that order), or None."""
     if image_size is not None and not (isinstance(image_size, tuple) and len(image_size) == 2 and
                                        all(isinstance(v, int) and v >= 1 for v in image_size)):
         raise TypeError(f"image_size {image_size!r}: pass (H, W), two ints >= 1, as --image-size gives it")
+    if classes is not None and not (isinstance(classes, tuple) and all(isinstance(c, str) for c in classes)):
+        raise TypeError(f"classes {classes!r}: pass a tuple of names, as --classes gives it")
     if split not in ("train", "test"):
         raise DatasetError(f"split {split!r}: use train or test")
+    base = "MODULE:FUNCTION" if is_piece(name) else name.split(":", 1)[0].strip().lower()
+    if classes is not None and base not in ("recordio", "imagefolder"):
+        raise DatasetError(f"classes {','.join(classes)}: data set {base} takes all of its own classes; only "
+                           f"the image files (recordio, imagefolder) choose some")
     if is_piece(name):
         return UserDataset(name, split)
-    base = name.split(":", 1)[0].strip().lower()
     if base not in DATASETS:
         raise DatasetError(f"unknown data set {name!r}: use one of {', '.join(DATASETS)}")
     if base == "digits":
@@ -124,5 +141,5 @@ def load_dataset(name, *, data_root=None, split="train", image_size=None, num_cl
         path = data_root
         if os.path.isdir(path):
             path = os.path.join(path, f"{split}.rec")
-        return RecordIODataset(path, split, image_size, num_classes)
-    return ImageFolderDataset(data_root, split, image_size)
+        return RecordIODataset(path, split, image_size, num_classes, classes)
+    return ImageFolderDataset(data_root, split, image_size, classes)

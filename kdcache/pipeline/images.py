@@ -285,7 +285,7 @@ class RecordIODataset(DecodedDataset):
     must be a class index. Records are read by kdcache from a descriptor checked regular, not by
     MXNet from the path."""
 
-    def __init__(self, rec_path, split="train", size=None, num_classes=None):
+    def __init__(self, rec_path, split="train", size=None, num_classes=None, classes=None):
         if not rec_path.endswith(".rec"):
             raise DatasetError(f"--data-root {rec_path!r}: for --dataset recordio pass the .rec file "
                                f"(its .idx beside it)")
@@ -297,9 +297,14 @@ class RecordIODataset(DecodedDataset):
         self.keys, self.offsets, labels = self._checked_index(num_classes)
         digest = files_digest([(p, os.path.basename(p)) for p in (rec_path, idx_path)],
                               desc=f"digest of {rec_path}")
-        classes = num_classes or (max(labels) + 1 if labels else 0)
-        super().__init__("recordio", split, len(self.keys), labels, classes, size,
-                         {"digest": digest, "file": os.path.basename(rec_path)})
+        count, params = num_classes or (max(labels) + 1 if labels else 0), {}
+        if classes is not None:  # only these labels, renumbered in the order given
+            keep = chosen_labels(rec_path, split, classes, labels)
+            picked = [k for k, lab in enumerate(labels) if lab in keep]
+            self.keys, self.offsets = [self.keys[k] for k in picked], [self.offsets[k] for k in picked]
+            labels, count, params = [keep[labels[k]] for k in picked], len(classes), {"classes": list(classes)}
+        super().__init__("recordio", split, len(self.keys), labels, count, size,
+                         {"digest": digest, "file": os.path.basename(rec_path), **params})
 
     # NOTE [a RecordIO index covers its records]
     # MXNet reads the record an .idx line points at and nothing else: an index that leaves records
@@ -504,6 +509,36 @@ def _compare_splits(base, split, classes):
                        f"give train/ and test/ the same class folders (an empty one is allowed in test/)")
 
 
+def chosen_labels(rec_path, split, classes, labels):
+    """{label: new label} of --classes on a .rec: a recordio class is named by its label number, so each
+    name must be one (0, 1, ...) that a record of the file holds (in the test split, a class without
+    records is said in one line, as an empty test folder is)."""
+    bad = [c for c in classes if not re.fullmatch(r"0|[1-9][0-9]*", c)]
+    if bad:
+        raise DatasetError(f"classes {','.join(classes)}: {bad[0]!r} is not a label number: a recordio class "
+                           f"is named by its label (0, 1, ...), e.g. 0,3,7")
+    keep = {int(c): k for k, c in enumerate(classes)}
+    absent = [c for c in classes if int(c) not in set(labels)]
+    if absent and split == "train":
+        raise DatasetError(f"classes {','.join(classes)}: no record of {rec_path} has label {_names(absent)} "
+                           f"(its labels are {_names([str(v) for v in sorted(set(labels))])}): choose labels the "
+                           f"file holds")
+    if absent:
+        log.warning("%s: no record has label %s: that class is not evaluated", rec_path, _names(absent))
+    return keep
+
+
+def chosen_classes(root, classes, folders, items):
+    """(classes, items) of the class folders --classes names, labelled in its order; every name must be
+    one of `folders` (the folder's classes, sorted)."""
+    unknown = [c for c in classes if c not in folders]
+    if unknown:
+        raise DatasetError(f"classes {','.join(classes)}: {root} has no class folder {_names(unknown)} (its "
+                           f"classes: {_names(folders)}): choose class folders it holds")
+    new = {folders.index(c): k for k, c in enumerate(classes)}
+    return list(classes), [(p, new[lab]) for p, lab in items if lab in new]
+
+
 def _names(names, shown=5):
     return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
@@ -514,7 +549,7 @@ class ImageFolderDataset(DecodedDataset):
     class list, recorded in the identity, is then the same for both. Every image must be a regular
     file or a link to one (NOTE [a user's data files are regular files])."""
 
-    def __init__(self, root, split="train", size=None):
+    def __init__(self, root, split="train", size=None, classes=None):
         base = root
         if os.path.isdir(os.path.join(root, split)):
             root = os.path.join(root, split)
@@ -524,12 +559,16 @@ class ImageFolderDataset(DecodedDataset):
                                f"root/train/<class>/... and root/test/<class>/...")
         if not os.path.isdir(root):
             raise DatasetError(f"--data-root {root!r} is not a directory of class folders")
-        classes, items = list_class_folders(root)
+        folders, items = list_class_folders(root)
         if not items:
             raise DatasetError(f"{root}: no images found in class sub-folders (root/<class>/<image>.jpg)")
-        _check_classes(root, split, classes, items)
         if root != base:
-            _compare_splits(base, split, classes)
+            _compare_splits(base, split, folders)  # every folder: a selection is the same one in both splits
+        if classes is not None:
+            classes, items = chosen_classes(root, classes, folders, items)
+        else:
+            classes = folders
+        _check_classes(root, split, classes, items)
         self.items, self.classes = items, classes
         # Every byte of every image: a size limit here once let an image changed in place keep its digest.
         # Each is stat()ed first: a FIFO, a device, a dangling link is refused before anything is read.

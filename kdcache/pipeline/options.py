@@ -12,7 +12,7 @@ import re
 import sys
 from typing import NamedTuple
 
-from kdcache.args import Allowed, Dir, Floats, Int, Name, Option, Path, Size, fail, option_table
+from kdcache.args import Allowed, ClassNames, Dir, Floats, Int, Name, Option, Path, Size, fail, option_table
 from kdcache.errors import as_command
 
 from .augment import Augment
@@ -168,6 +168,9 @@ SHARED = [
            group=DATA),
     Option("--num-classes", "class count when the files do not say (npz, recordio)", type=Int(2, 1 << 24),
            metavar="N", group=DATA),
+    Option("--classes", "train on these classes only, labelled 0, 1, ... in the order given: class folder names "
+           "(imagefolder) or label numbers (recordio), e.g. cat,dog or 0,3,7; part of the data set's identity, so "
+           "its cache is its own", type=ClassNames(), metavar="C,C,...", group=DATA),
     Option("--views", "augmented views per sample; epoch e uses view e mod V", type=Int(1, 10000), default=1,
            metavar="V", group=DATA, make="VIEWS"),
     Option("--augment", "auto | none | crop:PAD | flip | crop:PAD,flip | rrc:SIZE[,scale=A-B][,ratio=A-B][,flip] "
@@ -257,8 +260,10 @@ def check_data_applies(args, parser):
              "only decoded images (recordio, imagefolder) are resized" +
              ("; --teacher-size resizes for the teacher" if hasattr(args, "teacher_size") else "")),
             ("num_classes", "--num-classes", ("npz", "recordio"),
-             f"--dataset {base} knows its classes")):
-        if getattr(args, dest) is not None and base not in where:
+             f"--dataset {base} knows its classes"),
+            ("classes", "--classes", ("recordio", "imagefolder"),
+             "only the image files (recordio, imagefolder) choose classes")):
+        if getattr(args, dest, None) is not None and base not in where:
             parser.error(f"argument {flag}: {fix}; drop {flag}")
 
 

@@ -160,6 +160,7 @@ def _as_teacher(option, help):
 
 TEACHER = [
     SHARED_BY_DEST["dataset"], SHARED_BY_DEST["data_root"], SHARED_BY_DEST["image_size"], SHARED_BY_DEST["num_classes"],
+    SHARED_BY_DEST["classes"],
     Option("--arch", "network: digits_teacher, mnist_teacher, small_cnn, mlp, or a Gluon model-zoo name "
            "(default: the data set's, digits_teacher for digits and others, mnist_teacher for mnist5k)",
            type=Arch(), metavar="ARCH", group="teacher"),
@@ -204,10 +205,8 @@ def main(argv=None, prog="python -m kdcache.trainer.make_teacher"):
     logging.basicConfig(level=logging.INFO, format="[teacher %(asctime)s] %(message)s", datefmt="%H:%M:%S")
     try:
         from kdcache.pipeline.cachespec import resolve_augment, usual_augment
-        from kdcache.pipeline.datasets import load_dataset
-        kw = dict(data_root=args.data_root, image_size=args.image_size, num_classes=args.num_classes)
-        train = load_dataset(args.dataset, split="train", **kw)
-        test = load_dataset(args.dataset, split="test", **kw)
+        from kdcache.pipeline.datasets import load_from_options
+        train, test = load_from_options(args, "train"), load_from_options(args, "test")
         if args.augment == "auto":
             args.augment = usual_augment(train)
         elif isinstance(args.augment, str):  # MODULE:FUNCTION: loaded, and run once, before any training
@@ -235,7 +234,8 @@ def main(argv=None, prog="python -m kdcache.trainer.make_teacher"):
     os.replace(f"{tmp}-symbol.json", f"{args.out}-symbol.json")
     info = {"dataset": args.dataset, "arch": args.arch, "epochs": args.epochs, "lr": args.lr,
             "schedule": args.schedule, "augment": args.augment.spec, "seed": args.seed,
-            "image_size": list(args.image_size) if args.image_size else None, "test_acc": acc,
+            "image_size": list(args.image_size) if args.image_size else None,
+            "classes": list(args.classes) if args.classes else None, "test_acc": acc,
             "seconds": round(time.perf_counter() - t0, 1)}
     near, chance, threshold = chance_level(test.labels, test.num_classes, acc)
     info.update(chance=round(chance, 6), near_chance=bool(near))

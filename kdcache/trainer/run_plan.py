@@ -13,9 +13,8 @@ MXNET_DATASETS = ("recordio", "imagefolder")
 
 def load_train(args):
     """The training split."""
-    from kdcache.pipeline.datasets import load_dataset
-    return load_dataset(args.dataset, data_root=args.data_root, split="train", image_size=args.image_size,
-                        num_classes=args.num_classes)
+    from kdcache.pipeline.datasets import load_from_options
+    return load_from_options(args, "train")
 
 
 @dataclasses.dataclass

@@ -11,7 +11,7 @@ from mxnet import autograd, gluon
 from tqdm import tqdm
 
 from kdcache.pipeline.augment import eval_views, make_views, mixes
-from kdcache.pipeline.datasets import load_dataset
+from kdcache.pipeline.datasets import load_from_options
 from kdcache import signals
 from kdcache.pipeline.interrupts import Interrupts
 from kdcache.pipeline.schedule import EpochDigests, epoch_batches, schedule, steps_per_epoch, view_of_epoch
@@ -212,8 +212,7 @@ def run(args, plan, targets, threads, cores):
 
     # data
     train, augment = plan.train, plan.augment
-    test = load_dataset(args.dataset, data_root=args.data_root, split="test", image_size=args.image_size,
-                        num_classes=args.num_classes)
+    test = load_from_options(args, "test")
     test = eval_views(test, augment)  # rrc:SIZE trains at SIZE: the test images are centre-cropped to it
     n, classes = len(train), train.num_classes
     # The validation slice: items of the training split the loop skips, for picking the best epoch

@@ -81,7 +81,7 @@ def test_journal_resumes_after_a_failure(tmp_path):
     def task(key, code, after=()):
         return {"key": key, "what": str(key), "timeout": 60, "after": list(after),
                 "argv": [sys.executable, "-c", f"import json, os, sys\n{code}\nprint(json.dumps({{'k': {key[1]}}}))"]}
-    tasks = [task(("a", 1), ""), task(("b", 2), f"sys.exit(0 if os.path.exists({str(flag)!r}) else 3)", [("a", 1)]),
+    tasks = [task(("a", 1), ""), task(("b", 2), f"if not os.path.exists({str(flag)!r}): sys.exit(3)", [("a", 1)]),
              task(("c", 3), "", [("b", 2)])]
     kids = Children()
     with pytest.raises(BenchError):

@@ -316,15 +316,36 @@ def budget_table(b):
 
 def sweep_table(report):
     sw, n = report["sweep"], len(report["settings"]["sweep"])
-    return md_table(["sweep of {} students".format(n), "teacher forwards", "wall (one core)"],
-                    [[tm, f"{sw[tm]['teacher_forwards']:,}", f"{sw[tm]['wall_s']:.0f} s"]
-                     for tm in ("inline", "cache")], pad=False)
+    who = ", ".join(f"{s} T={t:g} α={a:g}" for s, t, a in report["settings"]["sweep"])
+    return md_table([f"sweep of {n} students ({who}), {report['settings']['sweep_epochs']} epoch(s) each",
+                     "teacher forwards", "wall (one core, all students)", "their test accuracies"],
+                    [[tm, f"{sw[tm]['teacher_forwards']:,}", f"{sw[tm]['wall_s']:.0f} s",
+                      ", ".join(pct(a) for a in sw[tm]["accs"])] for tm in ("inline", "cache")], pad=False)
+
+
+def floors_table(report):
+    """Each floor, what was measured where it applies, and its verdict."""
+    v, rows = report["verdicts"], []
+    for k, what in (("cache_minus_inline", "cache − inline"), ("cache_minus_scratch", "cache − scratch")):
+        rows.append([f"{what}, every budget and student", f"≥ +{100 * v[k]['floor']:.2f} point",
+                     "; ".join(f"{where}: {100 * x:+.2f}" for where, x in v[k]["values"].items()), v[k]["verdict"]])
+    g, gaps = v["patient_gap_closed"], []
+    for b in report["budgets"]:
+        for s, r in b["students"].items():
+            if r.get("patient_gap_closed") is not None:
+                gaps.append(f"{b['budget_s']}s {s}: {100 * r['patient_gap_closed']:.0f}% (patient − inline "
+                            f"{100 * r['patient_minus_inline_aug']:+.2f} point)")
+    rows.append(["the patient student's share of the teacher − scratch gap", f"≥ {100 * g['floor']:.0f}%",
+                 "; ".join(gaps) or "–", g["verdict"]])
+    return md_table(["floor", "asked", "measured (means over the seeds)", "verdict"], rows, pad=False)
 
 
 def render(report):
     out = [(f"Budget {b['budget_s']} s of one core:", budget_table(b)) for b in report["budgets"]]
     out.append(("A sweep from one cache against the same students inline (the cache's fill included):",
                 sweep_table(report)))
+    out.append(("Floors (the gap is the teacher's test accuracy minus that of the students from scratch on the "
+                "same mixup views):", floors_table(report)))
     return out
 
 

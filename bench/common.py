@@ -75,6 +75,7 @@ class _Child:
     """One started process: its output files, its timeout, its memory sampler, where finish() measures from."""
 
     def __init__(self, argv, what, *, env, cwd, log_dir, rss, timeout):
+        self.reading = threading.Lock()  # output(): the reaping thread and stop_all may both call it
         self.what, self.argv, self.timeout, self.timed_out, self.poller = what, argv, timeout, False, None
         if log_dir:
             tag = what.replace(" ", "_").replace("/", "_")
@@ -110,12 +111,17 @@ class _Child:
             self.poller.stop()
 
     def output(self):
-        """(stdout, stderr) of the finished process; closes its files."""
+        """(stdout, stderr) of the finished process; closes its files (a second call, from stop_all racing
+        the thread that reaped it, gets empty texts)."""
         texts = []
-        for fh in (self.out, self.err):
-            fh.seek(0)
-            texts.append(fh.read())
-            fh.close()
+        with self.reading:
+            for fh in (self.out, self.err):
+                if fh.closed:
+                    texts.append("")
+                    continue
+                fh.seek(0)
+                texts.append(fh.read())
+                fh.close()
         return texts
 
 
@@ -492,6 +498,9 @@ def run_in_scratch(args, prefix, run, *params):
     tmp = getattr(args, "tmp", None)  # a benchmark without --tmp works in a temporary folder
     work = scratch_dir(tmp, prefix)
     kids = Children()
+    # A SIGTERM (kill, a CI's time limit) ends the run as Ctrl-C does: through the finally below, so the children
+    # (each in its own session, which a signal to this process's group does not reach) are stopped too.
+    previous = signal.signal(signal.SIGTERM, _terminated)
     try:
         return run(kids, args, *params, work)
     except BenchError as e:
@@ -499,8 +508,13 @@ def run_in_scratch(args, prefix, run, *params):
         return None
     finally:
         kids.stop_all()
+        signal.signal(signal.SIGTERM, previous)
         if not tmp:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def _terminated(signum, frame):
+    raise SystemExit(128 + signum)
 
 
 def command_line(prog, argv):

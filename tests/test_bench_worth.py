@@ -49,9 +49,16 @@ def test_worth_quick_report(tmp_path):
             # the fill charged to one student costs it epochs it keeps when the fill is shared
             assert rows["cache_amortised"]["epochs"] >= rows["cache"]["epochs"] >= 1, rows
             assert all(0.0 <= a <= 1.0 for r in rows.values() for a in r["accs"])
-        big = b["budget_s"] == max(budgets)
-        who = report["settings"]["patient"]["student"]
-        assert all(("patient" in s["rows"]) == (big and name == who) for name, s in b["students"].items())
+        assert all(set(s["rows"]) == {"scratch", "inline", "cache", "cache_amortised"} for s in b["students"].values())
+    # the patient rows: their own budget, one student, the same mixed views each way
+    pt, ps = report["patient"], report["settings"]["patient"]
+    assert pt["budget_s"] == ps["budget_s"] and pt["student"] == ps["student"]
+    rows = pt["rows"]
+    assert set(rows) == {"scratch_aug", "inline_aug", "patient"}
+    assert rows["scratch_aug"]["teacher_forwards"] == 0
+    assert rows["inline_aug"]["teacher_forwards"] == rows["inline_aug"]["epochs"] * n * len(seeds)
+    assert rows["patient"]["teacher_forwards"] == n * views * len(seeds)  # each seed's fill, nothing in training
+    assert report["verdicts"]["patient_epochs"]["value"] == rows["patient"]["epochs"] >= 1
     small, large = report["budgets"][0]["students"], report["budgets"][-1]["students"]
     for name in small:
         for way in ("scratch", "inline", "cache"):
@@ -92,3 +99,30 @@ def test_journal_resumes_after_a_failure(tmp_path):
     assert {k: v["k"] for k, v in res.items()} == {("a", 1): 1, ("b", 2): 2, ("c", 3): 3}
     assert any("1 task(s) already finished" in line for line in ran)
     assert sum("('a', 1): done" in line for line in ran) == 1  # a ran once, in the first run
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAVE_FASHION, reason=f"Fashion-MNIST is not installed in {FASHION}")
+def test_a_terminated_run_stops_its_children_and_resumes(tmp_path):
+    """SIGTERM (a kill, a time limit) stops the benchmark and every child it started; the same command then
+    runs only what the journal lacks."""
+    import signal
+    import time
+    work = tmp_path / "work"
+    argv = [sys.executable, "-m", "bench.worth", "--quick", "--resume", str(work), "--out", str(tmp_path / "w.json")]
+    proc = subprocess.Popen(argv, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    journal = work / "finished.jsonl"
+    deadline = time.time() + 600
+    while not (journal.exists() and journal.read_text().count("\n") >= 2) and time.time() < deadline:
+        time.sleep(0.5)
+    assert proc.poll() is None, proc.communicate()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    time.sleep(1)
+    left = subprocess.run(["pgrep", "-f", str(work)], capture_output=True, text=True).stdout.split()
+    assert not left, f"children of the stopped run still alive: {left}"
+    kept = journal.read_text().count("\n")
+    again = subprocess.run(argv, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=1500)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"{kept} task(s) already finished" in again.stdout + again.stderr

@@ -35,6 +35,8 @@ SHARED = {
     "--data-root": (["{folder}", "{rec}"], ["/nonexistent"]),
     "--image-size": (["8x8", "32x32", "8X8"], ["0x0", "8", "x8"]),
     "--num-classes": (["3", "10"], ["1", "0"]),
+    # the image files' classes: folders ant, moth, zebra (tests.datafiles.FOLDER_CLASSES), recordio labels 0-2
+    "--classes": (["ant,moth,zebra", "zebra, ant ,moth", "2,1,0", "moth,ant", "0,2"], ["ant", "ant,ant", "a/b,c", ""]),
     "--views": (["1", "2"], BAD_INT),
     "--augment": (["auto", "none", "crop:1", "flip", "crop:1,flip", "door_aug:shift", *VIEW_SIZE],
                   ["crop:-1", "crop:x", "bogus", "crop:1000", "nosuch_module:f", "rrc:0", "rrc:8,scale=0-1",
@@ -120,7 +122,7 @@ TABLES = {"train": TRAIN, "cache": CACHE, "teacher": TEACHER, "launch": {**LAUNC
 # The options that name a cache, and their defaults: the module's cache is the one of all defaults.
 NAMING_DEFAULTS = {"--dataset": ("digits",), "--views": ("1",), "--augment": ("auto", "none"),
                    "--codec": ("full",), "--dtype": ("float16",)}
-NAMING = ("--data-root", "--image-size", "--num-classes", "--teacher-input", "--teacher-mean", "--teacher-std",
+NAMING = ("--data-root", "--image-size", "--num-classes", "--classes", "--teacher-input", "--teacher-mean", "--teacher-std",
           "--teacher-size", "--cache")
 
 
@@ -147,6 +149,11 @@ def expected_ok(cmd, pairs):
     if "--image-size" in d and kind not in FILES or "--num-classes" in d and kind != "recordio":
         return False
     channels, classes = (3, int(d.get("--num-classes", 3))) if kind in FILES else (1, 10)
+    if "--classes" in d:  # only the image files choose classes: folder names, or the .rec's label numbers
+        names = {x.strip() for x in d["--classes"].split(",")}
+        if kind not in FILES or not names <= ({"ant", "moth", "zebra"} if kind == "imagefolder" else {"0", "1", "2"}):
+            return False
+        classes = len(names)
     if int(d.get("--views", 1)) > 1 and (d.get("--augment") == "none" or VIEW_SIZE.get(d.get("--augment")) is False):
         return False
     if d.get("--codec") == "int8" and d.get("--dtype", "float16") != "float16":

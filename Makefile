@@ -152,8 +152,8 @@ bench-ensemble: setup  ## read-time teacher ensembles on mnist5k (DATASET=fashio
 bench-quality: setup  ## distillation on the full Fashion-MNIST (apt-get install dataset-fashion-mnist): two students from scratch, inline and from the cache, 5 seeds, the gap each closes (QUICK=1 for a short run)
 	$(PY) -m bench.quality $(if $(QUICK),--quick)
 
-bench-worth: setup  ## what the cache buys at equal compute on the full Fashion-MNIST (apt-get install dataset-fashion-mnist): each student given the same budget of one core, from scratch, inline and from the cache; the patient teacher (8 mixup views); a sweep's teacher forwards (~3 h; QUICK=1 for a short run)
-	$(PY) -m bench.worth $(if $(QUICK),--quick)
+bench-worth: setup  ## what the cache buys at equal compute on the full Fashion-MNIST (apt-get install dataset-fashion-mnist): each student given the same budget of one core, from scratch, inline and from the cache; the patient teacher (8 mixup views); a sweep's teacher forwards (~3 h; QUICK=1 for a short run; RESUME=DIR keeps the work there, and the same command again resumes a stopped run)
+	$(PY) -m bench.worth $(if $(QUICK),--quick) $(if $(RESUME),--resume $(RESUME))
 
 bench-store: setup  ## store micro-benchmarks: gather, write order, codec sizes (QUICK=1 for a short run)
 	$(PY) -m bench.store $(if $(QUICK),--quick)

@@ -10,7 +10,8 @@ import math  # noqa: E402
 
 from bench.cli import RUN, given_teacher, like, out_option, quick_option, tmp_option, trainer_option  # noqa: E402
 from bench.common import heading, machine_line, make_log, md_table, python_m, rendered  # noqa: E402
-from bench.common import run_tasks, spread, verdict  # noqa: E402
+from bench.common import run_line, run_tasks, spread, verdict  # noqa: E402
+from bench.flops import cpu_id, peak_line  # noqa: E402
 from bench.quality.run import DATA_ROOT, INSTALL, TEACHER, data_root, teacher_task, write_slice  # noqa: E402
 from kdcache.args import Dir, Int, Option  # noqa: E402
 
@@ -145,6 +146,11 @@ def run(kids, args, p, work):
     else:
         p["data_path"], p["dataset"], n_train, n_test = p["data_root"], "fashion-mnist", 60000, 10000
     pat = p["patient"]
+    journal = os.path.join(work, "finished.jsonl") if args.resume else None
+
+    # 0. this core's peak, measured alone before anything else runs: every figure is read against it
+    peak = run_tasks(kids, 1, [{"key": "peak", "argv": python_m("bench.decode.children", "peak", 3 if args.quick else 5),
+                                "what": "the peak (one core, alone)", "timeout": 600}], log, journal)["peak"]
 
     # 1. the teacher, the plain cache and one patient cache per seed (its views are keyed by the seed)
     tasks = []
@@ -173,7 +179,6 @@ def run(kids, args, p, work):
     for t in tasks + calib:
         t["after"] = [k for k in t.get("after", ()) if k != "teacher" or not args.teacher]
     log(f"{len(tasks) + len(calib)} children first: the teacher, the fills and the calibration of each way")
-    journal = os.path.join(work, "finished.jsonl") if args.resume else None
     res = run_tasks(kids, p["jobs"], tasks + calib, log, journal)
     if not args.teacher:
         with open(f"{prefix}-info.json") as fh:
@@ -226,7 +231,10 @@ def run(kids, args, p, work):
     runs.sort(key=lambda t: -t["argv"].count("inline"))  # the longest (inline) first, so the two cores end together
     log(f"{len(runs)} student runs, {p['jobs']} at a time")
     res.update(run_tasks(kids, p["jobs"], runs, log, journal))
-    return report_of(p, seeds, teacher, fills, costs, plan, res, n_train, n_test, bool(args.quick))
+    report = report_of(p, seeds, teacher, fills, costs, plan, res, n_train, n_test, bool(args.quick))
+    report.update(peak={k: v for k, v in peak.items() if not k.startswith("_")}, cpu_id=cpu_id(),
+                  children_core_s=round(sum(r["_wall_s"] for r in res.values()), 1))  # however many resumes
+    return report
 
 
 def charged(way, fills, n_seeds, readers):
@@ -377,12 +385,22 @@ def verdict_lines(report):
     return lines
 
 
+def runs_line(report):
+    """The run's line (date, run time, machine, the other processes' load) and this core's peak beside it."""
+    line = run_line(report, (report.get("cpu") or {}).get("other_cores"))
+    if report.get("children_core_s"):  # the run time above is the last invocation's when a run was resumed
+        line += f" Every child's wall time together: {report['children_core_s'] / 3600:.1f} core-hours."
+    return line + ("\n\n" + peak_line(report["peak"], report["cpu_id"]) if report.get("peak") else "")
+
+
 def show(report):
     s = report["settings"]
     print(heading("What the cache buys at equal compute (Fashion-MNIST)", report.get("quick"),
                   report.get("runtime_s") or 0))
     if report.get("machine"):
         print(machine_line(report["machine"]) + "\n")
+    if report.get("peak"):
+        print(peak_line(report["peak"], report["cpu_id"]) + "\n")
     print(f"Data: {report['n_train']:,} training and {report['n_test']:,} test images ({s['data']}). Teacher "
           f"{s['teacher']['arch']}: {pct(report['teacher']['test_acc'])}. Budgets: "
           f"{', '.join(f'{b} s' for b in s['budgets_s'])} of one core per student, start-up and test pass "

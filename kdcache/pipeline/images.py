@@ -517,11 +517,11 @@ def chosen_labels(rec_path, split, classes, labels):
     if bad:
         raise DatasetError(f"classes {','.join(classes)}: {bad[0]!r} is not a label number: a recordio class "
                            f"is named by its label (0, 1, ...), e.g. 0,3,7")
-    keep = {int(c): k for k, c in enumerate(classes)}
-    absent = [c for c in classes if int(c) not in set(labels)]
+    keep, present = {int(c): k for k, c in enumerate(classes)}, set(labels)
+    absent = [c for c in classes if int(c) not in present]
     if absent and split == "train":
         raise DatasetError(f"classes {','.join(classes)}: no record of {rec_path} has label {_names(absent)} "
-                           f"(its labels are {_names([str(v) for v in sorted(set(labels))])}): choose labels the "
+                           f"(its labels are {_names([str(v) for v in sorted(present)])}): choose labels the "
                            f"file holds")
     if absent:
         log.warning("%s: no record has label %s: that class is not evaluated", rec_path, _names(absent))

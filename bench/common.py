@@ -131,13 +131,19 @@ class Children:
 
     def __init__(self):
         self.live = {}  # pid -> _Child, until reaped
+        # start() and stop_all() take turns: a child a thread starts while the run is being stopped (a
+        # SIGTERM, a failure) is either in `live` when stop_all looks, or never started
+        self.lock, self.stopped = threading.Lock(), False
 
     def start(self, argv, what, *, env=None, cwd=ROOT, log_dir=None, rss=None, timeout=900):
         """Start argv (env: child_env() by default); its output to log_dir/<what>.out, .err (kept for
         inspection), else to unnamed temporary files. rss: PeakPoller's keywords, to sample its memory."""
-        c = _Child(argv, what, env=child_env() if env is None else env, cwd=cwd, log_dir=log_dir, rss=rss,
-                   timeout=timeout)
-        self.live[c.proc.pid] = c
+        with self.lock:
+            if self.stopped:
+                raise BenchError(f"bench: {what} not started: the run is being stopped")
+            c = _Child(argv, what, env=child_env() if env is None else env, cwd=cwd, log_dir=log_dir, rss=rss,
+                       timeout=timeout)
+            self.live[c.proc.pid] = c
         return c
 
     def finish(self, c, *, json_line=True):
@@ -148,7 +154,7 @@ class Children:
             _, status, ru = os.wait4(c.proc.pid, 0)  # not Popen.wait(): wait4 also gives the tree's CPU time
         finally:
             c.halt()
-        del self.live[c.proc.pid]
+        self.live.pop(c.proc.pid, None)  # stop_all may have taken it already
         c.proc.returncode = os.waitstatus_to_exitcode(status)
         wall = time.perf_counter() - c.t0
         cpu = cpu_between(c.snapshot, cpu_snapshot())
@@ -169,8 +175,11 @@ class Children:
         return self.finish(self.start(argv, what, **kw), json_line=json_line)
 
     def stop_all(self):
-        """Kill every child not yet reaped, with what it started, and reap it."""
-        for c in list(self.live.values()):
+        """Kill every child not yet reaped, with what it started, and reap it; start no other after it."""
+        with self.lock:
+            self.stopped = True
+            children = list(self.live.values())
+        for c in children:
             c.halt()
             c.kill()
             c.proc.wait()

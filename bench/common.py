@@ -209,7 +209,8 @@ def run_tasks(kids, jobs, tasks, log, journal=None):
     whose "after" tasks have all finished starts (a task waiting for another holds no slot). A task is a dict:
     key, argv, what, timeout, and optionally after (keys of earlier tasks), json_line (False: the child prints
     no JSON line), then (a function of the result, run before scratch is removed, whose return is the result)
-    and scratch (a folder removed once the task ends). The first failure stops the others and is raised; so
+    and scratch (the task's own folder: removed before it starts, as a run stopped by a kill may have left it,
+    and once it ends). The first failure stops the others and is raised; so
     does a Ctrl-C, the children then stopped by the caller (Children.stop_all).
 
     journal: a file each finished task's result is appended to (one JSON line, flushed to disk) and read back
@@ -232,6 +233,8 @@ def run_tasks(kids, jobs, tasks, log, journal=None):
 
     def one(t):
         try:
+            if t.get("scratch"):  # what a run stopped by a kill left of this task: it starts afresh
+                shutil.rmtree(t["scratch"], ignore_errors=True)
             res = kids.run(t["argv"], t["what"], timeout=t["timeout"], json_line=t.get("json_line", True))
             results[t["key"]] = t["then"](res) if t.get("then") else res
             if journal:

@@ -88,8 +88,10 @@ def test_journal_resumes_after_a_failure(tmp_path):
     def task(key, code, after=()):
         return {"key": key, "what": str(key), "timeout": 60, "after": list(after),
                 "argv": [sys.executable, "-c", f"import json, os, sys\n{code}\nprint(json.dumps({{'k': {key[1]}}}))"]}
+    left = tmp_path / "c-scratch"  # what a run killed during c left: c must start without it
+    left.mkdir()
     tasks = [task(("a", 1), ""), task(("b", 2), f"if not os.path.exists({str(flag)!r}): sys.exit(3)", [("a", 1)]),
-             task(("c", 3), "", [("b", 2)])]
+             {**task(("c", 3), f"assert not os.path.exists({str(left)!r})", [("b", 2)]), "scratch": str(left)}]
     kids = Children()
     with pytest.raises(BenchError):
         run_tasks(kids, 1, tasks, ran.append, str(journal))

@@ -33,7 +33,7 @@ QUICK_BUDGETS = (10, 16)
 # small CNN: crops and flips are views a convolution can use); --quick's one student otherwise.
 PATIENT = {"views": 8, "augment": "crop:2,flip,mixup:0.2", "student": "small_cnn_flat", "budget_s": 900}
 QUICK_PATIENT = {"views": 2, "augment": "crop:2,flip,mixup:0.2", "student": "mlp800x2", "budget_s": 20}
-PATIENT_EPOCHS = 50  # the patient student's epochs the issue of a long schedule asks for: a floor, reported
+PATIENT_EPOCHS = 50  # the long schedule a patient teacher needs: a floor on the patient student's epochs, reported
 # A sweep: N students that differ in network, T and alpha, from one cache against the same N inline.
 SWEEP = [("mlp800x2", 4.0, 0.5), ("mlp800x2", 8.0, 0.7), ("small_cnn_flat", 4.0, 0.5), ("small_cnn_flat", 2.0, 0.9)]
 SWEEP_EPOCHS, QUICK_SWEEP_EPOCHS = 2, 1
@@ -251,7 +251,7 @@ def charged(way, fills, n_seeds, readers):
 
 
 def report_of(p, seeds, teacher, fills, costs, plan, res, n_train, n_test, quick):
-    readers = len(p["students"]) * len(seeds) * len(p["budgets"])
+    readers = p["plain_readers"]  # every plain-cache student, counted once in run()
     t_acc = res[("calib", next(iter(p["students"])), "inline", CALIBRATION[0])]["teacher_test_acc"]
 
     def rows_of(budget, s):
